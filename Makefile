@@ -1,0 +1,48 @@
+# BigFleet developer entry points. `make install` then `make test` is all CI runs.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+PROTO_DIR := proto
+GEN_DIR   := src/bigfleet/v1alpha1
+
+.PHONY: install proto proto-check lint typecheck test test-fast bench fuzz soak e2e scale clean
+
+install: $(BIN)/bigfleet
+
+$(BIN)/bigfleet: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	@touch $@
+
+# Regenerate messages, gRPC stubs and type stubs from proto/ into one package.
+proto:
+	$(BIN)/python -m bigfleet.tools.protogen
+
+# Fails when the committed generated code differs from what `make proto` makes.
+proto-check:
+	$(BIN)/python -m bigfleet.tools.protocheck
+
+lint:
+	$(BIN)/ruff check src tests bench
+
+typecheck:
+	$(BIN)/mypy
+
+test: lint typecheck proto-check
+	$(BIN)/pytest -q -p no:cacheprovider
+
+test-fast:
+	$(BIN)/pytest -q -x -m 'not slow'
+
+bench:
+	$(BIN)/python -m bench
+
+fuzz:
+	$(BIN)/python -m bigfleet.tools.fuzz --seconds $${FUZZ_SECONDS:-60}
+
+soak:
+	$(BIN)/pytest -q -m soak
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,58 @@
+"""Channel and server options every BigFleet gRPC endpoint uses.
+
+A full-replacement roll-up can be large; the default 4 MiB receive limit
+would answer RESOURCE_EXHAUSTED and make the operator reconnect in a loop, so
+both directions are raised to 256 MiB on every server and client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+MAX_MESSAGE_BYTES = 256 << 20
+
+_SIZE_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def server_options(extra: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
+    return [*_SIZE_OPTIONS, ("grpc.so_reuseport", 0), *extra]
+
+
+def channel_options(extra: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
+    return [
+        *_SIZE_OPTIONS,
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        *extra,
+    ]
+
+
+def insecure_channel(target: str, extra: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(target, options=channel_options(extra))
+
+
+def new_server(
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    maximum_concurrent_rpcs: int | None = None,
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """An asyncio gRPC server with BigFleet's limits and the standard health service registered."""
+    server = grpc.aio.server(
+        options=server_options(),
+        interceptors=list(interceptors),
+        maximum_concurrent_rpcs=maximum_concurrent_rpcs,
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    return server, health_servicer
+
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
