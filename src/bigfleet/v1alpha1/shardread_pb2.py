@@ -24,31 +24,56 @@ _sym_db = _symbol_database.Default()
 
 from bigfleet.v1alpha1 import capacity_pb2 as bigfleet_dot_v1alpha1_dot_capacity__pb2
 from bigfleet.v1alpha1 import provider_pb2 as bigfleet_dot_v1alpha1_dot_provider__pb2
+from bigfleet.v1alpha1 import coordinator_pb2 as bigfleet_dot_v1alpha1_dot_coordinator__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!bigfleet/v1alpha1/shardread.proto\x12\x11\x62igfleet.v1alpha1\x1a bigfleet/v1alpha1/capacity.proto\x1a bigfleet/v1alpha1/provider.proto\"8\n\x13InspectNeedsRequest\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\x05\"\x85\x01\n\x14InspectNeedsResponse\x12\x37\n\x06header\x18\x01 \x01(\x0b\x32%.bigfleet.v1alpha1.InspectNeedsHeaderH\x00\x12+\n\x04need\x18\x02 \x01(\x0b\x32\x1b.bigfleet.v1alpha1.NeedViewH\x00\x42\x07\n\x05\x66rame\"X\n\x12InspectNeedsHeader\x12\r\n\x05\x63ycle\x18\x01 \x01(\x03\x12\x1e\n\x16\x63omputed_at_unix_nanos\x18\x02 \x01(\x03\x12\x13\n\x0btotal_needs\x18\x03 \x01(\x05\"\x8a\x05\n\x08NeedView\x12-\n\x04need\x18\x01 \x01(\x0b\x32\x1f.bigfleet.v1alpha1.CapacityNeed\x12\x12\n\ncluster_id\x18\x02 \x01(\t\x12\x1a\n\x12\x61rrival_unix_nanos\x18\x03 \x01(\x03\x12\x1b\n\x13profile_fingerprint\x18\x04 \x01(\t\x12\x11\n\tsatisfied\x18\x05 \x01(\x08\x12\x36\n\x10residual_deficit\x18\x06 \x01(\x0b\x32\x1c.bigfleet.v1alpha1.Resources\x12\x1d\n\x15\x63laimed_machine_count\x18\x07 \x01(\x05\x12\x17\n\x0f\x62ootstrap_count\x18\x08 \x01(\x05\x12\x17\n\x0fprovision_count\x18\t \x01(\x05\x12\x13\n\x0bsame_domain\x18\n \x01(\t\x12\x18\n\x10same_satisfiable\x18\x0b \x01(\x08\x12\x1a\n\x12\x61\x63quisition_parked\x18\x0c \x01(\x08\x12\x19\n\x11parked_age_cycles\x18\r \x01(\x05\x12\x18\n\x10\x61ge_cycles_unmet\x18\x0e \x01(\x05\x12\x34\n\x0cunmet_reason\x18\x0f \x01(\x0e\x32\x1e.bigfleet.v1alpha1.UnmetReason\x12:\n\x0fmatching_supply\x18\x10 \x01(\x0b\x32!.bigfleet.v1alpha1.MatchingSupply\x12\x38\n\npreemption\x18\x11 \x01(\x0b\x32$.bigfleet.v1alpha1.PreemptionSummary\x12:\n\x0fsame_candidates\x18\x12 \x03(\x0b\x32!.bigfleet.v1alpha1.DomainCoverage\"W\n\x0eMatchingSupply\x12\x0c\n\x04idle\x18\x01 \x01(\x05\x12\x12\n\nconfigured\x18\x02 \x01(\x05\x12\x13\n\x0bspeculative\x18\x03 \x01(\x05\x12\x0e\n\x06\x63\x61pped\x18\x04 \x01(\x08\"`\n\x11PreemptionSummary\x12\x15\n\rvictims_found\x18\x01 \x01(\x05\x12\x34\n\x0e\x63\x61pacity_freed\x18\x02 \x01(\x0b\x32\x1c.bigfleet.v1alpha1.Resources\"Q\n\x0e\x44omainCoverage\x12\x0e\n\x06\x64omain\x18\x01 \x01(\t\x12\x1a\n\x12\x63overage_per_mille\x18\x02 \x01(\x05\x12\x13\n\x0bsatisfiable\x18\x03 \x01(\x08*\xc3\x01\n\x0bUnmetReason\x12\x1c\n\x18UNMET_REASON_UNSPECIFIED\x10\x00\x12!\n\x1dUNMET_REASON_PRIORITY_STARVED\x10\x01\x12#\n\x1fUNMET_REASON_NO_MATCHING_SUPPLY\x10\x02\x12\'\n#UNMET_REASON_TOPOLOGY_UNSATISFIABLE\x10\x03\x12%\n!UNMET_REASON_PREEMPTION_EXHAUSTED\x10\x04\x32n\n\tShardRead\x12\x61\n\x0cInspectNeeds\x12&.bigfleet.v1alpha1.InspectNeedsRequest\x1a\'.bigfleet.v1alpha1.InspectNeedsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!bigfleet/v1alpha1/shardread.proto\x12\x11\x62igfleet.v1alpha1\x1a bigfleet/v1alpha1/capacity.proto\x1a bigfleet/v1alpha1/provider.proto\x1a#bigfleet/v1alpha1/coordinator.proto\",\n\x16InventoryCountsRequest\x12\x12\n\ncluster_id\x18\x01 \x01(\t\"\xd8\x02\n\x0fInventoryCounts\x12\x41\n\x08\x62y_state\x18\x01 \x03(\x0b\x32/.bigfleet.v1alpha1.InventoryCounts.ByStateEntry\x12\r\n\x05total\x18\x02 \x01(\x05\x12\x11\n\tin_flight\x18\x03 \x01(\x05\x12\x13\n\x0bshard_epoch\x18\x04 \x01(\x03\x12P\n\x10\x62ound_by_cluster\x18\x05 \x03(\x0b\x32\x36.bigfleet.v1alpha1.InventoryCounts.BoundByClusterEntry\x12\x12\n\nreconciled\x18\x06 \x01(\x08\x1a.\n\x0c\x42yStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x1a\x35\n\x13\x42oundByClusterEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"&\n\x15ListShortfallsRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\"Y\n\x16ListShortfallsResponse\x12\r\n\x05\x63ycle\x18\x01 \x01(\x03\x12\x30\n\nshortfalls\x18\x02 \x03(\x0b\x32\x1c.bigfleet.v1alpha1.Shortfall\"\x15\n\x13GetActuationRequest\"F\n\x13SetActuationRequest\x12\x0e\n\x06paused\x18\x01 \x01(\x08\x12\x0f\n\x07\x64ry_run\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"A\n\x0f\x41\x63tuationStatus\x12\x0e\n\x06paused\x18\x01 \x01(\x08\x12\x0f\n\x07\x64ry_run\x18\x02 \x01(\x08\x12\r\n\x05\x63ycle\x18\x03 \x01(\x03\"8\n\x13InspectNeedsRequest\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\x05\"\x85\x01\n\x14InspectNeedsResponse\x12\x37\n\x06header\x18\x01 \x01(\x0b\x32%.bigfleet.v1alpha1.InspectNeedsHeaderH\x00\x12+\n\x04need\x18\x02 \x01(\x0b\x32\x1b.bigfleet.v1alpha1.NeedViewH\x00\x42\x07\n\x05\x66rame\"X\n\x12InspectNeedsHeader\x12\r\n\x05\x63ycle\x18\x01 \x01(\x03\x12\x1e\n\x16\x63omputed_at_unix_nanos\x18\x02 \x01(\x03\x12\x13\n\x0btotal_needs\x18\x03 \x01(\x05\"\x8a\x05\n\x08NeedView\x12-\n\x04need\x18\x01 \x01(\x0b\x32\x1f.bigfleet.v1alpha1.CapacityNeed\x12\x12\n\ncluster_id\x18\x02 \x01(\t\x12\x1a\n\x12\x61rrival_unix_nanos\x18\x03 \x01(\x03\x12\x1b\n\x13profile_fingerprint\x18\x04 \x01(\t\x12\x11\n\tsatisfied\x18\x05 \x01(\x08\x12\x36\n\x10residual_deficit\x18\x06 \x01(\x0b\x32\x1c.bigfleet.v1alpha1.Resources\x12\x1d\n\x15\x63laimed_machine_count\x18\x07 \x01(\x05\x12\x17\n\x0f\x62ootstrap_count\x18\x08 \x01(\x05\x12\x17\n\x0fprovision_count\x18\t \x01(\x05\x12\x13\n\x0bsame_domain\x18\n \x01(\t\x12\x18\n\x10same_satisfiable\x18\x0b \x01(\x08\x12\x1a\n\x12\x61\x63quisition_parked\x18\x0c \x01(\x08\x12\x19\n\x11parked_age_cycles\x18\r \x01(\x05\x12\x18\n\x10\x61ge_cycles_unmet\x18\x0e \x01(\x05\x12\x34\n\x0cunmet_reason\x18\x0f \x01(\x0e\x32\x1e.bigfleet.v1alpha1.UnmetReason\x12:\n\x0fmatching_supply\x18\x10 \x01(\x0b\x32!.bigfleet.v1alpha1.MatchingSupply\x12\x38\n\npreemption\x18\x11 \x01(\x0b\x32$.bigfleet.v1alpha1.PreemptionSummary\x12:\n\x0fsame_candidates\x18\x12 \x03(\x0b\x32!.bigfleet.v1alpha1.DomainCoverage\"W\n\x0eMatchingSupply\x12\x0c\n\x04idle\x18\x01 \x01(\x05\x12\x12\n\nconfigured\x18\x02 \x01(\x05\x12\x13\n\x0bspeculative\x18\x03 \x01(\x05\x12\x0e\n\x06\x63\x61pped\x18\x04 \x01(\x08\"`\n\x11PreemptionSummary\x12\x15\n\rvictims_found\x18\x01 \x01(\x05\x12\x34\n\x0e\x63\x61pacity_freed\x18\x02 \x01(\x0b\x32\x1c.bigfleet.v1alpha1.Resources\"Q\n\x0e\x44omainCoverage\x12\x0e\n\x06\x64omain\x18\x01 \x01(\t\x12\x1a\n\x12\x63overage_per_mille\x18\x02 \x01(\x05\x12\x13\n\x0bsatisfiable\x18\x03 \x01(\x08*\xc3\x01\n\x0bUnmetReason\x12\x1c\n\x18UNMET_REASON_UNSPECIFIED\x10\x00\x12!\n\x1dUNMET_REASON_PRIORITY_STARVED\x10\x01\x12#\n\x1fUNMET_REASON_NO_MATCHING_SUPPLY\x10\x02\x12\'\n#UNMET_REASON_TOPOLOGY_UNSATISFIABLE\x10\x03\x12%\n!UNMET_REASON_PREEMPTION_EXHAUSTED\x10\x04\x32\xba\x02\n\tShardRead\x12\x61\n\x0cInspectNeeds\x12&.bigfleet.v1alpha1.InspectNeedsRequest\x1a\'.bigfleet.v1alpha1.InspectNeedsResponse0\x01\x12\x63\n\x12GetInventoryCounts\x12).bigfleet.v1alpha1.InventoryCountsRequest\x1a\".bigfleet.v1alpha1.InventoryCounts\x12\x65\n\x0eListShortfalls\x12(.bigfleet.v1alpha1.ListShortfallsRequest\x1a).bigfleet.v1alpha1.ListShortfallsResponse2\xc4\x01\n\nShardAdmin\x12Z\n\x0cGetActuation\x12&.bigfleet.v1alpha1.GetActuationRequest\x1a\".bigfleet.v1alpha1.ActuationStatus\x12Z\n\x0cSetActuation\x12&.bigfleet.v1alpha1.SetActuationRequest\x1a\".bigfleet.v1alpha1.ActuationStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'bigfleet.v1alpha1.shardread_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_UNMETREASON']._serialized_start=1332
-  _globals['_UNMETREASON']._serialized_end=1527
-  _globals['_INSPECTNEEDSREQUEST']._serialized_start=124
-  _globals['_INSPECTNEEDSREQUEST']._serialized_end=180
-  _globals['_INSPECTNEEDSRESPONSE']._serialized_start=183
-  _globals['_INSPECTNEEDSRESPONSE']._serialized_end=316
-  _globals['_INSPECTNEEDSHEADER']._serialized_start=318
-  _globals['_INSPECTNEEDSHEADER']._serialized_end=406
-  _globals['_NEEDVIEW']._serialized_start=409
-  _globals['_NEEDVIEW']._serialized_end=1059
-  _globals['_MATCHINGSUPPLY']._serialized_start=1061
-  _globals['_MATCHINGSUPPLY']._serialized_end=1148
-  _globals['_PREEMPTIONSUMMARY']._serialized_start=1150
-  _globals['_PREEMPTIONSUMMARY']._serialized_end=1246
-  _globals['_DOMAINCOVERAGE']._serialized_start=1248
-  _globals['_DOMAINCOVERAGE']._serialized_end=1329
-  _globals['_SHARDREAD']._serialized_start=1529
-  _globals['_SHARDREAD']._serialized_end=1639
+  _globals['_INVENTORYCOUNTS_BYSTATEENTRY']._loaded_options = None
+  _globals['_INVENTORYCOUNTS_BYSTATEENTRY']._serialized_options = b'8\001'
+  _globals['_INVENTORYCOUNTS_BOUNDBYCLUSTERENTRY']._loaded_options = None
+  _globals['_INVENTORYCOUNTS_BOUNDBYCLUSTERENTRY']._serialized_options = b'8\001'
+  _globals['_UNMETREASON']._serialized_start=2055
+  _globals['_UNMETREASON']._serialized_end=2250
+  _globals['_INVENTORYCOUNTSREQUEST']._serialized_start=161
+  _globals['_INVENTORYCOUNTSREQUEST']._serialized_end=205
+  _globals['_INVENTORYCOUNTS']._serialized_start=208
+  _globals['_INVENTORYCOUNTS']._serialized_end=552
+  _globals['_INVENTORYCOUNTS_BYSTATEENTRY']._serialized_start=451
+  _globals['_INVENTORYCOUNTS_BYSTATEENTRY']._serialized_end=497
+  _globals['_INVENTORYCOUNTS_BOUNDBYCLUSTERENTRY']._serialized_start=499
+  _globals['_INVENTORYCOUNTS_BOUNDBYCLUSTERENTRY']._serialized_end=552
+  _globals['_LISTSHORTFALLSREQUEST']._serialized_start=554
+  _globals['_LISTSHORTFALLSREQUEST']._serialized_end=592
+  _globals['_LISTSHORTFALLSRESPONSE']._serialized_start=594
+  _globals['_LISTSHORTFALLSRESPONSE']._serialized_end=683
+  _globals['_GETACTUATIONREQUEST']._serialized_start=685
+  _globals['_GETACTUATIONREQUEST']._serialized_end=706
+  _globals['_SETACTUATIONREQUEST']._serialized_start=708
+  _globals['_SETACTUATIONREQUEST']._serialized_end=778
+  _globals['_ACTUATIONSTATUS']._serialized_start=780
+  _globals['_ACTUATIONSTATUS']._serialized_end=845
+  _globals['_INSPECTNEEDSREQUEST']._serialized_start=847
+  _globals['_INSPECTNEEDSREQUEST']._serialized_end=903
+  _globals['_INSPECTNEEDSRESPONSE']._serialized_start=906
+  _globals['_INSPECTNEEDSRESPONSE']._serialized_end=1039
+  _globals['_INSPECTNEEDSHEADER']._serialized_start=1041
+  _globals['_INSPECTNEEDSHEADER']._serialized_end=1129
+  _globals['_NEEDVIEW']._serialized_start=1132
+  _globals['_NEEDVIEW']._serialized_end=1782
+  _globals['_MATCHINGSUPPLY']._serialized_start=1784
+  _globals['_MATCHINGSUPPLY']._serialized_end=1871
+  _globals['_PREEMPTIONSUMMARY']._serialized_start=1873
+  _globals['_PREEMPTIONSUMMARY']._serialized_end=1969
+  _globals['_DOMAINCOVERAGE']._serialized_start=1971
+  _globals['_DOMAINCOVERAGE']._serialized_end=2052
+  _globals['_SHARDREAD']._serialized_start=2253
+  _globals['_SHARDREAD']._serialized_end=2567
+  _globals['_SHARDADMIN']._serialized_start=2570
+  _globals['_SHARDADMIN']._serialized_end=2766
 # @@protoc_insertion_point(module_scope)

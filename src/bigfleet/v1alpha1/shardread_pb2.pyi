@@ -8,6 +8,7 @@ cycle old, and empty (cycle 0) before the first cycle ran.
 """
 
 from bigfleet.v1alpha1 import capacity_pb2 as _capacity_pb2
+from bigfleet.v1alpha1 import coordinator_pb2 as _coordinator_pb2
 from bigfleet.v1alpha1 import provider_pb2 as _provider_pb2
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
@@ -54,6 +55,217 @@ UNMET_REASON_TOPOLOGY_UNSATISFIABLE: UnmetReason.ValueType  # 3
 UNMET_REASON_PREEMPTION_EXHAUSTED: UnmetReason.ValueType  # 4
 """Victims were found, but not enough."""
 Global___UnmetReason: _TypeAlias = UnmetReason  # noqa: Y015
+
+@_typing.final
+class InventoryCountsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.str
+    """Empty means the whole inventory."""
+    def __init__(
+        self,
+        *,
+        cluster_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InventoryCountsRequest: _TypeAlias = InventoryCountsRequest  # noqa: Y015
+
+@_typing.final
+class InventoryCounts(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ByStateEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class BoundByClusterEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    BY_STATE_FIELD_NUMBER: _builtins.int
+    TOTAL_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    SHARD_EPOCH_FIELD_NUMBER: _builtins.int
+    BOUND_BY_CLUSTER_FIELD_NUMBER: _builtins.int
+    RECONCILED_FIELD_NUMBER: _builtins.int
+    total: _builtins.int
+    in_flight: _builtins.int
+    """Machines with a provider call in flight."""
+    shard_epoch: _builtins.int
+    reconciled: _builtins.bool
+    """True once the first full provider List has been applied."""
+    @_builtins.property
+    def by_state(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """MachineState name (e.g. "MACHINE_STATE_IDLE") → count."""
+
+    @_builtins.property
+    def bound_by_cluster(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Cluster → machines bound to it (CONFIGURING, CONFIGURED, DRAINING)."""
+
+    def __init__(
+        self,
+        *,
+        by_state: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        total: _builtins.int = ...,
+        in_flight: _builtins.int = ...,
+        shard_epoch: _builtins.int = ...,
+        bound_by_cluster: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        reconciled: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bound_by_cluster", b"bound_by_cluster", "by_state", b"by_state", "in_flight", b"in_flight", "reconciled", b"reconciled", "shard_epoch", b"shard_epoch", "total", b"total"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InventoryCounts: _TypeAlias = InventoryCounts  # noqa: Y015
+
+@_typing.final
+class ListShortfallsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LIMIT_FIELD_NUMBER: _builtins.int
+    limit: _builtins.int
+    """0 means no cap (the shard keeps at most 100)."""
+    def __init__(
+        self,
+        *,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListShortfallsRequest: _TypeAlias = ListShortfallsRequest  # noqa: Y015
+
+@_typing.final
+class ListShortfallsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CYCLE_FIELD_NUMBER: _builtins.int
+    SHORTFALLS_FIELD_NUMBER: _builtins.int
+    cycle: _builtins.int
+    @_builtins.property
+    def shortfalls(self) -> _containers.RepeatedCompositeFieldContainer[_coordinator_pb2.Shortfall]: ...
+    def __init__(
+        self,
+        *,
+        cycle: _builtins.int = ...,
+        shortfalls: _abc.Iterable[_coordinator_pb2.Shortfall] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cycle", b"cycle", "shortfalls", b"shortfalls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListShortfallsResponse: _TypeAlias = ListShortfallsResponse  # noqa: Y015
+
+@_typing.final
+class GetActuationRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetActuationRequest: _TypeAlias = GetActuationRequest  # noqa: Y015
+
+@_typing.final
+class SetActuationRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAUSED_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    paused: _builtins.bool
+    dry_run: _builtins.bool
+    reason: _builtins.str
+    """Free text kept in the log."""
+    def __init__(
+        self,
+        *,
+        paused: _builtins.bool = ...,
+        dry_run: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "paused", b"paused", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetActuationRequest: _TypeAlias = SetActuationRequest  # noqa: Y015
+
+@_typing.final
+class ActuationStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAUSED_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
+    CYCLE_FIELD_NUMBER: _builtins.int
+    paused: _builtins.bool
+    dry_run: _builtins.bool
+    cycle: _builtins.int
+    def __init__(
+        self,
+        *,
+        paused: _builtins.bool = ...,
+        dry_run: _builtins.bool = ...,
+        cycle: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cycle", b"cycle", "dry_run", b"dry_run", "paused", b"paused"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ActuationStatus: _TypeAlias = ActuationStatus  # noqa: Y015
 
 @_typing.final
 class InspectNeedsRequest(_message.Message):

@@ -39,6 +39,16 @@ class ShardReadStub:
                 request_serializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.InspectNeedsRequest.SerializeToString,
                 response_deserializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.InspectNeedsResponse.FromString,
                 _registered_method=True)
+        self.GetInventoryCounts = channel.unary_unary(
+                '/bigfleet.v1alpha1.ShardRead/GetInventoryCounts',
+                request_serializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.InventoryCountsRequest.SerializeToString,
+                response_deserializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.InventoryCounts.FromString,
+                _registered_method=True)
+        self.ListShortfalls = channel.unary_unary(
+                '/bigfleet.v1alpha1.ShardRead/ListShortfalls',
+                request_serializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.ListShortfallsRequest.SerializeToString,
+                response_deserializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.ListShortfallsResponse.FromString,
+                _registered_method=True)
 
 
 class ShardReadServicer:
@@ -52,6 +62,20 @@ class ShardReadServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetInventoryCounts(self, request, context):
+        """Python addition: machine counts by state (and per cluster), live.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListShortfalls(self, request, context):
+        """Python addition: the last cycle's shortfalls, highest priority first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardReadServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +83,16 @@ def add_ShardReadServicer_to_server(servicer, server):
                     servicer.InspectNeeds,
                     request_deserializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.InspectNeedsRequest.FromString,
                     response_serializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.InspectNeedsResponse.SerializeToString,
+            ),
+            'GetInventoryCounts': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInventoryCounts,
+                    request_deserializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.InventoryCountsRequest.FromString,
+                    response_serializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.InventoryCounts.SerializeToString,
+            ),
+            'ListShortfalls': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListShortfalls,
+                    request_deserializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.ListShortfallsRequest.FromString,
+                    response_serializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.ListShortfallsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -88,6 +122,181 @@ class ShardRead:
             '/bigfleet.v1alpha1.ShardRead/InspectNeeds',
             bigfleet_dot_v1alpha1_dot_shardread__pb2.InspectNeedsRequest.SerializeToString,
             bigfleet_dot_v1alpha1_dot_shardread__pb2.InspectNeedsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInventoryCounts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bigfleet.v1alpha1.ShardRead/GetInventoryCounts',
+            bigfleet_dot_v1alpha1_dot_shardread__pb2.InventoryCountsRequest.SerializeToString,
+            bigfleet_dot_v1alpha1_dot_shardread__pb2.InventoryCounts.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListShortfalls(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bigfleet.v1alpha1.ShardRead/ListShortfalls',
+            bigfleet_dot_v1alpha1_dot_shardread__pb2.ListShortfallsRequest.SerializeToString,
+            bigfleet_dot_v1alpha1_dot_shardread__pb2.ListShortfallsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class ShardAdminStub:
+    """Python addition: the actuation switches of one shard (kill switch and
+    dry-run). Changes are in memory; a restart returns to the flags.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.GetActuation = channel.unary_unary(
+                '/bigfleet.v1alpha1.ShardAdmin/GetActuation',
+                request_serializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.GetActuationRequest.SerializeToString,
+                response_deserializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.ActuationStatus.FromString,
+                _registered_method=True)
+        self.SetActuation = channel.unary_unary(
+                '/bigfleet.v1alpha1.ShardAdmin/SetActuation',
+                request_serializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.SetActuationRequest.SerializeToString,
+                response_deserializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.ActuationStatus.FromString,
+                _registered_method=True)
+
+
+class ShardAdminServicer:
+    """Python addition: the actuation switches of one shard (kill switch and
+    dry-run). Changes are in memory; a restart returns to the flags.
+    """
+
+    def GetActuation(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetActuation(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ShardAdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'GetActuation': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetActuation,
+                    request_deserializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.GetActuationRequest.FromString,
+                    response_serializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.ActuationStatus.SerializeToString,
+            ),
+            'SetActuation': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetActuation,
+                    request_deserializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.SetActuationRequest.FromString,
+                    response_serializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.ActuationStatus.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'bigfleet.v1alpha1.ShardAdmin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('bigfleet.v1alpha1.ShardAdmin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ShardAdmin:
+    """Python addition: the actuation switches of one shard (kill switch and
+    dry-run). Changes are in memory; a restart returns to the flags.
+    """
+
+    @staticmethod
+    def GetActuation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bigfleet.v1alpha1.ShardAdmin/GetActuation',
+            bigfleet_dot_v1alpha1_dot_shardread__pb2.GetActuationRequest.SerializeToString,
+            bigfleet_dot_v1alpha1_dot_shardread__pb2.ActuationStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetActuation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bigfleet.v1alpha1.ShardAdmin/SetActuation',
+            bigfleet_dot_v1alpha1_dot_shardread__pb2.SetActuationRequest.SerializeToString,
+            bigfleet_dot_v1alpha1_dot_shardread__pb2.ActuationStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,6 +39,10 @@ class ShardReadStub:
     """A header frame, then one NeedView per need in snapshot order
     (priority descending, arrival ascending, cluster ascending).
     """
+    GetInventoryCounts: _grpc.UnaryUnaryMultiCallable[_shardread_pb2.InventoryCountsRequest, _shardread_pb2.InventoryCounts]
+    """Python addition: machine counts by state (and per cluster), live."""
+    ListShortfalls: _grpc.UnaryUnaryMultiCallable[_shardread_pb2.ListShortfallsRequest, _shardread_pb2.ListShortfallsResponse]
+    """Python addition: the last cycle's shortfalls, highest priority first."""
 
 @_typing.type_check_only
 class ShardReadAsyncStub(ShardReadStub):
@@ -47,6 +51,10 @@ class ShardReadAsyncStub(ShardReadStub):
     """A header frame, then one NeedView per need in snapshot order
     (priority descending, arrival ascending, cluster ascending).
     """
+    GetInventoryCounts: _aio.UnaryUnaryMultiCallable[_shardread_pb2.InventoryCountsRequest, _shardread_pb2.InventoryCounts]  # type: ignore[assignment]
+    """Python addition: machine counts by state (and per cluster), live."""
+    ListShortfalls: _aio.UnaryUnaryMultiCallable[_shardread_pb2.ListShortfallsRequest, _shardread_pb2.ListShortfallsResponse]  # type: ignore[assignment]
+    """Python addition: the last cycle's shortfalls, highest priority first."""
 
 class ShardReadServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -59,4 +67,63 @@ class ShardReadServicer(metaclass=_abc_1.ABCMeta):
         (priority descending, arrival ascending, cluster ascending).
         """
 
+    @_abc_1.abstractmethod
+    def GetInventoryCounts(
+        self,
+        request: _shardread_pb2.InventoryCountsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_shardread_pb2.InventoryCounts, _abc.Awaitable[_shardread_pb2.InventoryCounts]]:
+        """Python addition: machine counts by state (and per cluster), live."""
+
+    @_abc_1.abstractmethod
+    def ListShortfalls(
+        self,
+        request: _shardread_pb2.ListShortfallsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_shardread_pb2.ListShortfallsResponse, _abc.Awaitable[_shardread_pb2.ListShortfallsResponse]]:
+        """Python addition: the last cycle's shortfalls, highest priority first."""
+
 def add_ShardReadServicer_to_server(servicer: ShardReadServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class ShardAdminStub:
+    """Python addition: the actuation switches of one shard (kill switch and
+    dry-run). Changes are in memory; a restart returns to the flags.
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> ShardAdminAsyncStub: ...
+    GetActuation: _grpc.UnaryUnaryMultiCallable[_shardread_pb2.GetActuationRequest, _shardread_pb2.ActuationStatus]
+    SetActuation: _grpc.UnaryUnaryMultiCallable[_shardread_pb2.SetActuationRequest, _shardread_pb2.ActuationStatus]
+
+@_typing.type_check_only
+class ShardAdminAsyncStub(ShardAdminStub):
+    """Python addition: the actuation switches of one shard (kill switch and
+    dry-run). Changes are in memory; a restart returns to the flags.
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    GetActuation: _aio.UnaryUnaryMultiCallable[_shardread_pb2.GetActuationRequest, _shardread_pb2.ActuationStatus]  # type: ignore[assignment]
+    SetActuation: _aio.UnaryUnaryMultiCallable[_shardread_pb2.SetActuationRequest, _shardread_pb2.ActuationStatus]  # type: ignore[assignment]
+
+class ShardAdminServicer(metaclass=_abc_1.ABCMeta):
+    """Python addition: the actuation switches of one shard (kill switch and
+    dry-run). Changes are in memory; a restart returns to the flags.
+    """
+
+    @_abc_1.abstractmethod
+    def GetActuation(
+        self,
+        request: _shardread_pb2.GetActuationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_shardread_pb2.ActuationStatus, _abc.Awaitable[_shardread_pb2.ActuationStatus]]: ...
+
+    @_abc_1.abstractmethod
+    def SetActuation(
+        self,
+        request: _shardread_pb2.SetActuationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_shardread_pb2.ActuationStatus, _abc.Awaitable[_shardread_pb2.ActuationStatus]]: ...
+
+def add_ShardAdminServicer_to_server(servicer: ShardAdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
