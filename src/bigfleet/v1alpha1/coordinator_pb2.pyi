@@ -239,6 +239,8 @@ class CoordinatorInstruction(_message.Message):
     REASSIGN_SPECULATIVE_FIELD_NUMBER: _builtins.int
     CROSS_SHARD_DRAIN_FIELD_NUMBER: _builtins.int
     TRANSFER_OWNERSHIP_FIELD_NUMBER: _builtins.int
+    RELEASE_CLUSTER_FIELD_NUMBER: _builtins.int
+    ADOPT_CLUSTER_FIELD_NUMBER: _builtins.int
     coordinator_term: _builtins.int
     sequence_number: _builtins.int
     instruction_id: _builtins.str
@@ -252,6 +254,14 @@ class CoordinatorInstruction(_message.Message):
     def cross_shard_drain(self) -> Global___CrossShardDrain: ...
     @_builtins.property
     def transfer_ownership(self) -> Global___TransferOwnership: ...
+    @_builtins.property
+    def release_cluster(self) -> Global___ReleaseCluster:
+        """Fenced cluster handoff (additions): the old shard releases, then the
+        new shard adopts.
+        """
+
+    @_builtins.property
+    def adopt_cluster(self) -> Global___AdoptCluster: ...
     def __init__(
         self,
         *,
@@ -263,12 +273,14 @@ class CoordinatorInstruction(_message.Message):
         reassign_speculative: Global___ReassignSpeculative | None = ...,
         cross_shard_drain: Global___CrossShardDrain | None = ...,
         transfer_ownership: Global___TransferOwnership | None = ...,
+        release_cluster: Global___ReleaseCluster | None = ...,
+        adopt_cluster: Global___AdoptCluster | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["assign_domain", b"assign_domain", "cross_shard_drain", b"cross_shard_drain", "payload", b"payload", "reassign_speculative", b"reassign_speculative", "transfer_ownership", b"transfer_ownership", "unassign_domain", b"unassign_domain"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adopt_cluster", b"adopt_cluster", "assign_domain", b"assign_domain", "cross_shard_drain", b"cross_shard_drain", "payload", b"payload", "reassign_speculative", b"reassign_speculative", "release_cluster", b"release_cluster", "transfer_ownership", b"transfer_ownership", "unassign_domain", b"unassign_domain"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assign_domain", b"assign_domain", "coordinator_term", b"coordinator_term", "cross_shard_drain", b"cross_shard_drain", "instruction_id", b"instruction_id", "payload", b"payload", "reassign_speculative", b"reassign_speculative", "sequence_number", b"sequence_number", "transfer_ownership", b"transfer_ownership", "unassign_domain", b"unassign_domain"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adopt_cluster", b"adopt_cluster", "assign_domain", b"assign_domain", "coordinator_term", b"coordinator_term", "cross_shard_drain", b"cross_shard_drain", "instruction_id", b"instruction_id", "payload", b"payload", "reassign_speculative", b"reassign_speculative", "release_cluster", b"release_cluster", "sequence_number", b"sequence_number", "transfer_ownership", b"transfer_ownership", "unassign_domain", b"unassign_domain"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["assign_domain", "unassign_domain", "reassign_speculative", "cross_shard_drain", "transfer_ownership"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["assign_domain", "unassign_domain", "reassign_speculative", "cross_shard_drain", "transfer_ownership", "release_cluster", "adopt_cluster"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
@@ -348,18 +360,37 @@ class CrossShardDrain(_message.Message):
 
     MACHINE_IDS_FIELD_NUMBER: _builtins.int
     PREEMPTOR_PRIORITY_FIELD_NUMBER: _builtins.int
+    TO_SHARD_ID_FIELD_NUMBER: _builtins.int
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    REQUIREMENTS_FIELD_NUMBER: _builtins.int
+    DEFICIT_FIELD_NUMBER: _builtins.int
     preemptor_priority: _builtins.int
+    to_shard_id: _builtins.str
+    """Additions: when machine_ids is empty the donor chooses victims of
+    priority strictly below preemptor_priority matching `requirements` and
+    covering `deficit`, drains them, releases them and acks with their ids;
+    the recipient then gets a TransferOwnership to adopt them.
+    """
+    transfer_id: _builtins.str
     @_builtins.property
     def machine_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def requirements(self) -> _containers.RepeatedCompositeFieldContainer[_capacity_pb2.NodeSelectorRequirement]: ...
+    @_builtins.property
+    def deficit(self) -> _provider_pb2.Resources: ...
     def __init__(
         self,
         *,
         machine_ids: _abc.Iterable[_builtins.str] | None = ...,
         preemptor_priority: _builtins.int = ...,
+        to_shard_id: _builtins.str = ...,
+        transfer_id: _builtins.str = ...,
+        requirements: _abc.Iterable[_capacity_pb2.NodeSelectorRequirement] | None = ...,
+        deficit: _provider_pb2.Resources | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deficit", b"deficit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["machine_ids", b"machine_ids", "preemptor_priority", b"preemptor_priority"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deficit", b"deficit", "machine_ids", b"machine_ids", "preemptor_priority", b"preemptor_priority", "requirements", b"requirements", "to_shard_id", b"to_shard_id", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -374,24 +405,116 @@ class TransferOwnership(_message.Message):
     MACHINE_IDS_FIELD_NUMBER: _builtins.int
     FROM_SHARD_ID_FIELD_NUMBER: _builtins.int
     TO_SHARD_ID_FIELD_NUMBER: _builtins.int
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    REQUIREMENTS_FIELD_NUMBER: _builtins.int
+    DEFICIT_FIELD_NUMBER: _builtins.int
     from_shard_id: _builtins.str
     to_shard_id: _builtins.str
+    transfer_id: _builtins.str
+    """Additions. The coordinator first sends this to the donor
+    (from_shard_id) with machine_ids empty and a selector; the donor picks
+    idle then speculative machines matching `requirements` that cover
+    `deficit`, releases them and acks with their ids. Then it is sent to the
+    recipient (to_shard_id) with those machine_ids to adopt.
+    """
     @_builtins.property
     def machine_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def requirements(self) -> _containers.RepeatedCompositeFieldContainer[_capacity_pb2.NodeSelectorRequirement]: ...
+    @_builtins.property
+    def deficit(self) -> _provider_pb2.Resources: ...
     def __init__(
         self,
         *,
         machine_ids: _abc.Iterable[_builtins.str] | None = ...,
         from_shard_id: _builtins.str = ...,
         to_shard_id: _builtins.str = ...,
+        transfer_id: _builtins.str = ...,
+        requirements: _abc.Iterable[_capacity_pb2.NodeSelectorRequirement] | None = ...,
+        deficit: _provider_pb2.Resources | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deficit", b"deficit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_shard_id", b"from_shard_id", "machine_ids", b"machine_ids", "to_shard_id", b"to_shard_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deficit", b"deficit", "from_shard_id", b"from_shard_id", "machine_ids", b"machine_ids", "requirements", b"requirements", "to_shard_id", b"to_shard_id", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TransferOwnership: _TypeAlias = TransferOwnership  # noqa: Y015
+
+@_typing.final
+class ReleaseCluster(_message.Message):
+    """The old shard stops deciding for the cluster, finishes or cancels its
+    in-flight provider calls for the cluster's machines, closes the
+    cluster's Session (the operator looks its shard up again), forgets the
+    machines and acks with their ids in InstructAck.machine_ids.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    HANDOFF_ID_FIELD_NUMBER: _builtins.int
+    TO_SHARD_ID_FIELD_NUMBER: _builtins.int
+    TO_SHARD_ADDRESS_FIELD_NUMBER: _builtins.int
+    BINDING_EPOCH_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.str
+    handoff_id: _builtins.str
+    to_shard_id: _builtins.str
+    to_shard_address: _builtins.str
+    binding_epoch: _builtins.int
+    """The binding epoch the new owner will hold (for logs and metadata)."""
+    def __init__(
+        self,
+        *,
+        cluster_id: _builtins.str = ...,
+        handoff_id: _builtins.str = ...,
+        to_shard_id: _builtins.str = ...,
+        to_shard_address: _builtins.str = ...,
+        binding_epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["binding_epoch", b"binding_epoch", "cluster_id", b"cluster_id", "handoff_id", b"handoff_id", "to_shard_address", b"to_shard_address", "to_shard_id", b"to_shard_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseCluster: _TypeAlias = ReleaseCluster  # noqa: Y015
+
+@_typing.final
+class AdoptCluster(_message.Message):
+    """The new shard takes ownership of the released machines (its fenced
+    provider calls record it as owner in shard_metadata) and from then on
+    serves the cluster's Session.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    HANDOFF_ID_FIELD_NUMBER: _builtins.int
+    FROM_SHARD_ID_FIELD_NUMBER: _builtins.int
+    MACHINE_IDS_FIELD_NUMBER: _builtins.int
+    BINDING_EPOCH_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.str
+    handoff_id: _builtins.str
+    from_shard_id: _builtins.str
+    binding_epoch: _builtins.int
+    @_builtins.property
+    def machine_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        cluster_id: _builtins.str = ...,
+        handoff_id: _builtins.str = ...,
+        from_shard_id: _builtins.str = ...,
+        machine_ids: _abc.Iterable[_builtins.str] | None = ...,
+        binding_epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["binding_epoch", b"binding_epoch", "cluster_id", b"cluster_id", "from_shard_id", b"from_shard_id", "handoff_id", b"handoff_id", "machine_ids", b"machine_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdoptCluster: _TypeAlias = AdoptCluster  # noqa: Y015
 
 @_typing.final
 class InstructAck(_message.Message):
@@ -419,20 +542,28 @@ class InstructAck(_message.Message):
     INSTRUCTION_ID_FIELD_NUMBER: _builtins.int
     OUTCOME_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    MACHINE_IDS_FIELD_NUMBER: _builtins.int
     instruction_id: _builtins.str
     outcome: Global___InstructAck.Outcome.ValueType
     reason: _builtins.str
     """Set when the outcome is not ACCEPTED."""
+    @_builtins.property
+    def machine_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Addition: the machines a release (ReleaseCluster, donor-side
+        TransferOwnership or CrossShardDrain) handed over.
+        """
+
     def __init__(
         self,
         *,
         instruction_id: _builtins.str = ...,
         outcome: Global___InstructAck.Outcome.ValueType = ...,
         reason: _builtins.str = ...,
+        machine_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instruction_id", b"instruction_id", "outcome", b"outcome", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instruction_id", b"instruction_id", "machine_ids", b"machine_ids", "outcome", b"outcome", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -826,3 +957,396 @@ class SnapshotSaveChunk(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
 Global___SnapshotSaveChunk: _TypeAlias = SnapshotSaveChunk  # noqa: Y015
+
+@_typing.final
+class LookupClusterRequest(_message.Message):
+    """---- Additions beyond upstream: placement and rebalancing ----"""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        cluster_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LookupClusterRequest: _TypeAlias = LookupClusterRequest  # noqa: Y015
+
+@_typing.final
+class LookupClusterResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    SHARD_ID_FIELD_NUMBER: _builtins.int
+    SHARD_ADDRESS_FIELD_NUMBER: _builtins.int
+    NEWLY_BOUND_FIELD_NUMBER: _builtins.int
+    BINDING_EPOCH_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.str
+    shard_id: _builtins.str
+    shard_address: _builtins.str
+    """The shard's Session address (host:port)."""
+    newly_bound: _builtins.bool
+    """True when this call created the binding."""
+    binding_epoch: _builtins.int
+    """Increases with every move of the cluster."""
+    def __init__(
+        self,
+        *,
+        cluster_id: _builtins.str = ...,
+        shard_id: _builtins.str = ...,
+        shard_address: _builtins.str = ...,
+        newly_bound: _builtins.bool = ...,
+        binding_epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["binding_epoch", b"binding_epoch", "cluster_id", b"cluster_id", "newly_bound", b"newly_bound", "shard_address", b"shard_address", "shard_id", b"shard_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LookupClusterResponse: _TypeAlias = LookupClusterResponse  # noqa: Y015
+
+@_typing.final
+class ListClusterBindingsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListClusterBindingsRequest: _TypeAlias = ListClusterBindingsRequest  # noqa: Y015
+
+@_typing.final
+class ListClusterBindingsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BINDINGS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def bindings(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterBinding]: ...
+    def __init__(
+        self,
+        *,
+        bindings: _abc.Iterable[Global___ClusterBinding] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bindings", b"bindings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListClusterBindingsResponse: _TypeAlias = ListClusterBindingsResponse  # noqa: Y015
+
+@_typing.final
+class ClusterBinding(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    SHARD_ID_FIELD_NUMBER: _builtins.int
+    BOUND_AT_UNIX_NS_FIELD_NUMBER: _builtins.int
+    BINDING_EPOCH_FIELD_NUMBER: _builtins.int
+    HANDOFF_TO_SHARD_ID_FIELD_NUMBER: _builtins.int
+    HANDOFF_PHASE_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.str
+    shard_id: _builtins.str
+    bound_at_unix_ns: _builtins.int
+    binding_epoch: _builtins.int
+    handoff_to_shard_id: _builtins.str
+    """Set while a handoff is in flight."""
+    handoff_phase: _builtins.str
+    def __init__(
+        self,
+        *,
+        cluster_id: _builtins.str = ...,
+        shard_id: _builtins.str = ...,
+        bound_at_unix_ns: _builtins.int = ...,
+        binding_epoch: _builtins.int = ...,
+        handoff_to_shard_id: _builtins.str = ...,
+        handoff_phase: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["binding_epoch", b"binding_epoch", "bound_at_unix_ns", b"bound_at_unix_ns", "cluster_id", b"cluster_id", "handoff_phase", b"handoff_phase", "handoff_to_shard_id", b"handoff_to_shard_id", "shard_id", b"shard_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClusterBinding: _TypeAlias = ClusterBinding  # noqa: Y015
+
+@_typing.final
+class PlanRebalanceRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOAD_FACTOR_FIELD_NUMBER: _builtins.int
+    MAX_MOVES_FIELD_NUMBER: _builtins.int
+    load_factor: _builtins.float
+    """Bounded-load factor c (cap = ceil(c * clusters / live shards)); 0 = 1.25."""
+    max_moves: _builtins.int
+    """At most this many moves; 0 = no limit."""
+    def __init__(
+        self,
+        *,
+        load_factor: _builtins.float = ...,
+        max_moves: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["load_factor", b"load_factor", "max_moves", b"max_moves"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlanRebalanceRequest: _TypeAlias = PlanRebalanceRequest  # noqa: Y015
+
+@_typing.final
+class ClusterMove(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    FROM_SHARD_ID_FIELD_NUMBER: _builtins.int
+    TO_SHARD_ID_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.str
+    from_shard_id: _builtins.str
+    to_shard_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        cluster_id: _builtins.str = ...,
+        from_shard_id: _builtins.str = ...,
+        to_shard_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "from_shard_id", b"from_shard_id", "to_shard_id", b"to_shard_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClusterMove: _TypeAlias = ClusterMove  # noqa: Y015
+
+@_typing.final
+class PlanRebalanceResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LoadBeforeEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class LoadAfterEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    MOVES_FIELD_NUMBER: _builtins.int
+    TOTAL_CLUSTERS_FIELD_NUMBER: _builtins.int
+    LIVE_SHARDS_FIELD_NUMBER: _builtins.int
+    LOAD_BEFORE_FIELD_NUMBER: _builtins.int
+    LOAD_AFTER_FIELD_NUMBER: _builtins.int
+    PLAN_ID_FIELD_NUMBER: _builtins.int
+    STRANDED_CLUSTERS_FIELD_NUMBER: _builtins.int
+    total_clusters: _builtins.int
+    live_shards: _builtins.int
+    plan_id: _builtins.str
+    """Digest of the plan; ApplyRebalance can require it unchanged."""
+    @_builtins.property
+    def moves(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterMove]: ...
+    @_builtins.property
+    def load_before(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    @_builtins.property
+    def load_after(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    @_builtins.property
+    def stranded_clusters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Clusters bound to shards that are down (left in place)."""
+
+    def __init__(
+        self,
+        *,
+        moves: _abc.Iterable[Global___ClusterMove] | None = ...,
+        total_clusters: _builtins.int = ...,
+        live_shards: _builtins.int = ...,
+        load_before: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        load_after: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        plan_id: _builtins.str = ...,
+        stranded_clusters: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["live_shards", b"live_shards", "load_after", b"load_after", "load_before", b"load_before", "moves", b"moves", "plan_id", b"plan_id", "stranded_clusters", b"stranded_clusters", "total_clusters", b"total_clusters"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlanRebalanceResponse: _TypeAlias = PlanRebalanceResponse  # noqa: Y015
+
+@_typing.final
+class ApplyRebalanceRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOAD_FACTOR_FIELD_NUMBER: _builtins.int
+    MAX_MOVES_FIELD_NUMBER: _builtins.int
+    EXPECTED_PLAN_ID_FIELD_NUMBER: _builtins.int
+    load_factor: _builtins.float
+    max_moves: _builtins.int
+    expected_plan_id: _builtins.str
+    """When set, apply only if the current plan still has this id
+    (else FAILED_PRECONDITION).
+    """
+    def __init__(
+        self,
+        *,
+        load_factor: _builtins.float = ...,
+        max_moves: _builtins.int = ...,
+        expected_plan_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_plan_id", b"expected_plan_id", "load_factor", b"load_factor", "max_moves", b"max_moves"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ApplyRebalanceRequest: _TypeAlias = ApplyRebalanceRequest  # noqa: Y015
+
+@_typing.final
+class ApplyRebalanceResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STARTED_FIELD_NUMBER: _builtins.int
+    PLAN_ID_FIELD_NUMBER: _builtins.int
+    plan_id: _builtins.str
+    @_builtins.property
+    def started(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterMove]: ...
+    def __init__(
+        self,
+        *,
+        started: _abc.Iterable[Global___ClusterMove] | None = ...,
+        plan_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan_id", b"plan_id", "started", b"started"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ApplyRebalanceResponse: _TypeAlias = ApplyRebalanceResponse  # noqa: Y015
+
+@_typing.final
+class ListTransfersRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListTransfersRequest: _TypeAlias = ListTransfersRequest  # noqa: Y015
+
+@_typing.final
+class ListTransfersResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def transfers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TransferStatus]: ...
+    def __init__(
+        self,
+        *,
+        transfers: _abc.Iterable[Global___TransferStatus] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["transfers", b"transfers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListTransfersResponse: _TypeAlias = ListTransfersResponse  # noqa: Y015
+
+@_typing.final
+class TransferStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    FROM_SHARD_ID_FIELD_NUMBER: _builtins.int
+    TO_SHARD_ID_FIELD_NUMBER: _builtins.int
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    MACHINE_IDS_FIELD_NUMBER: _builtins.int
+    CREATED_AT_UNIX_NS_FIELD_NUMBER: _builtins.int
+    UPDATED_AT_UNIX_NS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    transfer_id: _builtins.str
+    kind: _builtins.str
+    """"cluster", "inventory" or "drain"."""
+    from_shard_id: _builtins.str
+    to_shard_id: _builtins.str
+    cluster_id: _builtins.str
+    phase: _builtins.str
+    """"releasing", "adopting", "done" or "aborted"."""
+    created_at_unix_ns: _builtins.int
+    updated_at_unix_ns: _builtins.int
+    reason: _builtins.str
+    @_builtins.property
+    def machine_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        transfer_id: _builtins.str = ...,
+        kind: _builtins.str = ...,
+        from_shard_id: _builtins.str = ...,
+        to_shard_id: _builtins.str = ...,
+        cluster_id: _builtins.str = ...,
+        phase: _builtins.str = ...,
+        machine_ids: _abc.Iterable[_builtins.str] | None = ...,
+        created_at_unix_ns: _builtins.int = ...,
+        updated_at_unix_ns: _builtins.int = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "created_at_unix_ns", b"created_at_unix_ns", "from_shard_id", b"from_shard_id", "kind", b"kind", "machine_ids", b"machine_ids", "phase", b"phase", "reason", b"reason", "to_shard_id", b"to_shard_id", "transfer_id", b"transfer_id", "updated_at_unix_ns", b"updated_at_unix_ns"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransferStatus: _TypeAlias = TransferStatus  # noqa: Y015

@@ -79,6 +79,31 @@ class CoordinatorStub:
                 request_serializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.SnapshotSaveRequest.SerializeToString,
                 response_deserializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.SnapshotSaveChunk.FromString,
                 _registered_method=True)
+        self.LookupCluster = channel.unary_unary(
+                '/bigfleet.v1alpha1.Coordinator/LookupCluster',
+                request_serializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.LookupClusterRequest.SerializeToString,
+                response_deserializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.LookupClusterResponse.FromString,
+                _registered_method=True)
+        self.ListClusterBindings = channel.unary_unary(
+                '/bigfleet.v1alpha1.Coordinator/ListClusterBindings',
+                request_serializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.ListClusterBindingsRequest.SerializeToString,
+                response_deserializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.ListClusterBindingsResponse.FromString,
+                _registered_method=True)
+        self.PlanRebalance = channel.unary_unary(
+                '/bigfleet.v1alpha1.Coordinator/PlanRebalance',
+                request_serializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.PlanRebalanceRequest.SerializeToString,
+                response_deserializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.PlanRebalanceResponse.FromString,
+                _registered_method=True)
+        self.ApplyRebalance = channel.unary_unary(
+                '/bigfleet.v1alpha1.Coordinator/ApplyRebalance',
+                request_serializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.ApplyRebalanceRequest.SerializeToString,
+                response_deserializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.ApplyRebalanceResponse.FromString,
+                _registered_method=True)
+        self.ListTransfers = channel.unary_unary(
+                '/bigfleet.v1alpha1.Coordinator/ListTransfers',
+                request_serializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.ListTransfersRequest.SerializeToString,
+                response_deserializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.ListTransfersResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -143,6 +168,45 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LookupCluster(self, request, context):
+        """Additions beyond upstream (BigFleet Python): cluster placement and
+        cross-shard rebalancing.
+        The cluster's shard; binds an unbound cluster on first contact with
+        bounded-load rendezvous hashing over live shards. UNAVAILABLE while a
+        handoff of the cluster is in flight or no shard is live.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListClusterBindings(self, request, context):
+        """Read: every cluster binding, with any handoff in flight.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PlanRebalance(self, request, context):
+        """Read: which clusters a rebalance would move now (changes nothing).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ApplyRebalance(self, request, context):
+        """Admin: start fenced handoffs for the planned moves.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTransfers(self, request, context):
+        """Read: inventory and cluster transfers in flight or recently finished.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -190,6 +254,31 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.SnapshotSave,
                     request_deserializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.SnapshotSaveRequest.FromString,
                     response_serializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.SnapshotSaveChunk.SerializeToString,
+            ),
+            'LookupCluster': grpc.unary_unary_rpc_method_handler(
+                    servicer.LookupCluster,
+                    request_deserializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.LookupClusterRequest.FromString,
+                    response_serializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.LookupClusterResponse.SerializeToString,
+            ),
+            'ListClusterBindings': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListClusterBindings,
+                    request_deserializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.ListClusterBindingsRequest.FromString,
+                    response_serializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.ListClusterBindingsResponse.SerializeToString,
+            ),
+            'PlanRebalance': grpc.unary_unary_rpc_method_handler(
+                    servicer.PlanRebalance,
+                    request_deserializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.PlanRebalanceRequest.FromString,
+                    response_serializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.PlanRebalanceResponse.SerializeToString,
+            ),
+            'ApplyRebalance': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApplyRebalance,
+                    request_deserializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.ApplyRebalanceRequest.FromString,
+                    response_serializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.ApplyRebalanceResponse.SerializeToString,
+            ),
+            'ListTransfers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTransfers,
+                    request_deserializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.ListTransfersRequest.FromString,
+                    response_serializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.ListTransfersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -435,6 +524,141 @@ class Coordinator:
             '/bigfleet.v1alpha1.Coordinator/SnapshotSave',
             bigfleet_dot_v1alpha1_dot_coordinator__pb2.SnapshotSaveRequest.SerializeToString,
             bigfleet_dot_v1alpha1_dot_coordinator__pb2.SnapshotSaveChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LookupCluster(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bigfleet.v1alpha1.Coordinator/LookupCluster',
+            bigfleet_dot_v1alpha1_dot_coordinator__pb2.LookupClusterRequest.SerializeToString,
+            bigfleet_dot_v1alpha1_dot_coordinator__pb2.LookupClusterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListClusterBindings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bigfleet.v1alpha1.Coordinator/ListClusterBindings',
+            bigfleet_dot_v1alpha1_dot_coordinator__pb2.ListClusterBindingsRequest.SerializeToString,
+            bigfleet_dot_v1alpha1_dot_coordinator__pb2.ListClusterBindingsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlanRebalance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bigfleet.v1alpha1.Coordinator/PlanRebalance',
+            bigfleet_dot_v1alpha1_dot_coordinator__pb2.PlanRebalanceRequest.SerializeToString,
+            bigfleet_dot_v1alpha1_dot_coordinator__pb2.PlanRebalanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ApplyRebalance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bigfleet.v1alpha1.Coordinator/ApplyRebalance',
+            bigfleet_dot_v1alpha1_dot_coordinator__pb2.ApplyRebalanceRequest.SerializeToString,
+            bigfleet_dot_v1alpha1_dot_coordinator__pb2.ApplyRebalanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTransfers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bigfleet.v1alpha1.Coordinator/ListTransfers',
+            bigfleet_dot_v1alpha1_dot_coordinator__pb2.ListTransfersRequest.SerializeToString,
+            bigfleet_dot_v1alpha1_dot_coordinator__pb2.ListTransfersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,21 @@ class CoordinatorStub:
     JoinRaftCluster: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.JoinRaftClusterRequest, _coordinator_pb2.JoinRaftClusterResponse]
     """Admin: Raft membership and backups."""
     SnapshotSave: _grpc.UnaryStreamMultiCallable[_coordinator_pb2.SnapshotSaveRequest, _coordinator_pb2.SnapshotSaveChunk]
+    LookupCluster: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.LookupClusterRequest, _coordinator_pb2.LookupClusterResponse]
+    """Additions beyond upstream (BigFleet Python): cluster placement and
+    cross-shard rebalancing.
+    The cluster's shard; binds an unbound cluster on first contact with
+    bounded-load rendezvous hashing over live shards. UNAVAILABLE while a
+    handoff of the cluster is in flight or no shard is live.
+    """
+    ListClusterBindings: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListClusterBindingsRequest, _coordinator_pb2.ListClusterBindingsResponse]
+    """Read: every cluster binding, with any handoff in flight."""
+    PlanRebalance: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.PlanRebalanceRequest, _coordinator_pb2.PlanRebalanceResponse]
+    """Read: which clusters a rebalance would move now (changes nothing)."""
+    ApplyRebalance: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ApplyRebalanceRequest, _coordinator_pb2.ApplyRebalanceResponse]
+    """Admin: start fenced handoffs for the planned moves."""
+    ListTransfers: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListTransfersRequest, _coordinator_pb2.ListTransfersResponse]
+    """Read: inventory and cluster transfers in flight or recently finished."""
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -73,6 +88,21 @@ class CoordinatorAsyncStub(CoordinatorStub):
     JoinRaftCluster: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.JoinRaftClusterRequest, _coordinator_pb2.JoinRaftClusterResponse]  # type: ignore[assignment]
     """Admin: Raft membership and backups."""
     SnapshotSave: _aio.UnaryStreamMultiCallable[_coordinator_pb2.SnapshotSaveRequest, _coordinator_pb2.SnapshotSaveChunk]  # type: ignore[assignment]
+    LookupCluster: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.LookupClusterRequest, _coordinator_pb2.LookupClusterResponse]  # type: ignore[assignment]
+    """Additions beyond upstream (BigFleet Python): cluster placement and
+    cross-shard rebalancing.
+    The cluster's shard; binds an unbound cluster on first contact with
+    bounded-load rendezvous hashing over live shards. UNAVAILABLE while a
+    handoff of the cluster is in flight or no shard is live.
+    """
+    ListClusterBindings: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListClusterBindingsRequest, _coordinator_pb2.ListClusterBindingsResponse]  # type: ignore[assignment]
+    """Read: every cluster binding, with any handoff in flight."""
+    PlanRebalance: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.PlanRebalanceRequest, _coordinator_pb2.PlanRebalanceResponse]  # type: ignore[assignment]
+    """Read: which clusters a rebalance would move now (changes nothing)."""
+    ApplyRebalance: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ApplyRebalanceRequest, _coordinator_pb2.ApplyRebalanceResponse]  # type: ignore[assignment]
+    """Admin: start fenced handoffs for the planned moves."""
+    ListTransfers: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListTransfersRequest, _coordinator_pb2.ListTransfersResponse]  # type: ignore[assignment]
+    """Read: inventory and cluster transfers in flight or recently finished."""
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -143,5 +173,50 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.SnapshotSaveRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_coordinator_pb2.SnapshotSaveChunk], _abc.AsyncIterator[_coordinator_pb2.SnapshotSaveChunk]]: ...
+
+    @_abc_1.abstractmethod
+    def LookupCluster(
+        self,
+        request: _coordinator_pb2.LookupClusterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.LookupClusterResponse, _abc.Awaitable[_coordinator_pb2.LookupClusterResponse]]:
+        """Additions beyond upstream (BigFleet Python): cluster placement and
+        cross-shard rebalancing.
+        The cluster's shard; binds an unbound cluster on first contact with
+        bounded-load rendezvous hashing over live shards. UNAVAILABLE while a
+        handoff of the cluster is in flight or no shard is live.
+        """
+
+    @_abc_1.abstractmethod
+    def ListClusterBindings(
+        self,
+        request: _coordinator_pb2.ListClusterBindingsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ListClusterBindingsResponse, _abc.Awaitable[_coordinator_pb2.ListClusterBindingsResponse]]:
+        """Read: every cluster binding, with any handoff in flight."""
+
+    @_abc_1.abstractmethod
+    def PlanRebalance(
+        self,
+        request: _coordinator_pb2.PlanRebalanceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.PlanRebalanceResponse, _abc.Awaitable[_coordinator_pb2.PlanRebalanceResponse]]:
+        """Read: which clusters a rebalance would move now (changes nothing)."""
+
+    @_abc_1.abstractmethod
+    def ApplyRebalance(
+        self,
+        request: _coordinator_pb2.ApplyRebalanceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ApplyRebalanceResponse, _abc.Awaitable[_coordinator_pb2.ApplyRebalanceResponse]]:
+        """Admin: start fenced handoffs for the planned moves."""
+
+    @_abc_1.abstractmethod
+    def ListTransfers(
+        self,
+        request: _coordinator_pb2.ListTransfersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ListTransfersResponse, _abc.Awaitable[_coordinator_pb2.ListTransfersResponse]]:
+        """Read: inventory and cluster transfers in flight or recently finished."""
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
