@@ -1,0 +1,313 @@
+"""Who may call what: role policies, a server interceptor and in-handler checks.
+
+The policy is data (method path → :class:`Access`) decided by the pure :func:`authorize`;
+:class:`RoleInterceptor` applies it to every call of a grpc.aio server, and the
+``require_*`` helpers serve checks that depend on something only the handler knows (the
+cluster id in a Session's first frame). Every denial is PERMISSION_DENIED; over plaintext
+every check passes (protocols.md §5.3, §8).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter
+
+from bigfleet.observability import get_logger
+from bigfleet.security.identity import Identity, IdentityError, Role, identity_from_auth_context
+
+log = get_logger("bigfleet.security.roles")
+
+MIN_TLS_VERSIONS = frozenset({"TLSv1.3"})
+
+
+@dataclass(frozen=True)
+class Access:
+    """Roles allowed on a method; ``self_field`` pins the caller's id to a request field.
+
+    With ``self_field`` set (unary-request methods only) a cluster/shard caller passes only
+    when ``request.<self_field> == identity.id``; ``allow_empty_self`` lets an empty field
+    through (the handler's own validation answers it).
+    """
+
+    roles: frozenset[Role]
+    self_field: str = ""
+    allow_empty_self: bool = False
+
+    @classmethod
+    def of(cls, *roles: Role, self_field: str = "", allow_empty_self: bool = False) -> Access:
+        return cls(frozenset(roles), self_field, allow_empty_self)
+
+
+DENY = Access(frozenset())
+ADMIN_ONLY = Access.of(Role.ADMIN)
+READ = Access.of(Role.READONLY, Role.ADMIN)
+ANY_IDENTITY = Access(frozenset(Role))
+
+
+class PermissionDenied(Exception):
+    """Raised by the pure checks; the shell turns it into PERMISSION_DENIED."""
+
+
+def authorize(identity: Identity | None, access: Access, subject: str | None = None) -> None:
+    """Pure decision. ``identity`` None = plaintext = allowed. Raises PermissionDenied."""
+    if identity is None:
+        return
+    if identity.role not in access.roles:
+        allowed = ", ".join(sorted(r.value for r in access.roles)) or "nobody"
+        raise PermissionDenied(f"identity {identity.uri} may not call this method (allowed: {allowed})")
+    if access.self_field and identity.role in (Role.CLUSTER, Role.SHARD):
+        if subject is None or (not subject and access.allow_empty_self):
+            return
+        if subject != identity.id:
+            raise PermissionDenied(
+                f"identity {identity.uri} may not act for {identity.role.value} {subject!r}"
+            )
+
+
+def check_transport(auth: Mapping[str, Iterable[bytes]]) -> None:
+    """Reject TLS sessions below 1.3 (grpcio cannot set a minimum version itself)."""
+    versions = [v.decode(errors="replace") for v in auth.get("ssl_tls_version", [])]
+    if versions and not MIN_TLS_VERSIONS.intersection(versions):
+        raise PermissionDenied(f"TLS version {versions[0]} is below the required TLSv1.3")
+
+
+def _service(method: str) -> str:
+    return method.rsplit("/", 1)[0].lstrip("/")
+
+
+_PKG = "bigfleet.v1alpha1"
+
+COORDINATOR_POLICY: dict[str, Access] = {
+    f"/{_PKG}.Coordinator/ReportShard": Access.of(Role.SHARD, self_field="shard_id", allow_empty_self=True),
+    f"/{_PKG}.Coordinator/AssignDomain": ADMIN_ONLY,
+    f"/{_PKG}.Coordinator/UnassignDomain": ADMIN_ONLY,
+    f"/{_PKG}.Coordinator/RemoveShard": ADMIN_ONLY,
+    f"/{_PKG}.Coordinator/JoinRaftCluster": ADMIN_ONLY,
+    f"/{_PKG}.Coordinator/SnapshotSave": ADMIN_ONLY,
+    f"/{_PKG}.Coordinator/ListShards": READ,
+    f"/{_PKG}.Coordinator/ListDomainAssignments": READ,
+    f"/{_PKG}.Coordinator/ListShardReports": READ,
+    # Python additions (placement and rebalancing).
+    f"/{_PKG}.Coordinator/LookupCluster": Access.of(
+        Role.CLUSTER, Role.ADMIN, Role.READONLY, self_field="cluster_id", allow_empty_self=True
+    ),
+    f"/{_PKG}.Coordinator/ListClusterBindings": READ,
+    f"/{_PKG}.Coordinator/PlanRebalance": READ,
+    f"/{_PKG}.Coordinator/ApplyRebalance": ADMIN_ONLY,
+    f"/{_PKG}.Coordinator/ListTransfers": READ,
+}
+
+SHARD_POLICY: dict[str, Access] = {
+    # The cluster id arrives in the first frame; the handler completes the check with
+    # require_cluster(). Here only the role is checked, so other roles never get a stream.
+    f"/{_PKG}.Shard/Session": Access.of(Role.CLUSTER),
+    f"/{_PKG}.ShardRead/InspectNeeds": READ,
+    f"/{_PKG}.ShardRead/GetInventoryCounts": READ,
+    f"/{_PKG}.ShardRead/ListShortfalls": READ,
+    f"/{_PKG}.ShardAdmin/GetActuation": READ,
+    f"/{_PKG}.ShardAdmin/SetActuation": ADMIN_ONLY,
+}
+
+PROVIDER_POLICY: dict[str, Access] = {
+    # Mutations carry the fencing shard_id: a shard certificate may only act as itself.
+    f"/{_PKG}.CapacityProvider/Create": Access.of(Role.SHARD, self_field="shard_id", allow_empty_self=True),
+    f"/{_PKG}.CapacityProvider/Configure": Access.of(Role.SHARD, self_field="shard_id", allow_empty_self=True),
+    f"/{_PKG}.CapacityProvider/Drain": Access.of(Role.SHARD, self_field="shard_id", allow_empty_self=True),
+    f"/{_PKG}.CapacityProvider/Delete": Access.of(Role.SHARD, self_field="shard_id", allow_empty_self=True),
+    f"/{_PKG}.CapacityProvider/Get": Access.of(Role.SHARD, Role.ADMIN, Role.READONLY),
+    f"/{_PKG}.CapacityProvider/List": Access.of(Role.SHARD, Role.ADMIN, Role.READONLY),
+}
+
+# Infrastructure services any verified identity may use.
+OPEN_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"})
+
+
+def lookup(policy: Mapping[str, Access], method: str, unlisted: Access = ADMIN_ONLY) -> Access:
+    """The access rule for a method path; unknown BigFleet methods default to admin-only."""
+    if method in policy:
+        return policy[method]
+    if _service(method) in OPEN_SERVICES:
+        return ANY_IDENTITY
+    return unlisted
+
+
+class _Denials:
+    def __init__(self, registry: CollectorRegistry | None, component: str) -> None:
+        self.counter: Counter | None = None
+        if registry is not None:
+            self.counter = Counter(
+                f"bigfleet_{component}_permission_denied_total",
+                "Calls refused by the mTLS identity/role policy",
+                ["method"],
+                registry=registry,
+            )
+
+    def inc(self, method: str) -> None:
+        if self.counter is not None:
+            self.counter.labels(method=method).inc()
+
+
+async def _deny(context: grpc.aio.ServicerContext, method: str, reason: str, denials: _Denials) -> None:
+    denials.inc(method)
+    log.warning("permission_denied", method=method, reason=reason, peer=context.peer())
+    await context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
+
+
+def _decide(context: grpc.aio.ServicerContext, access: Access, request: Any | None) -> str | None:
+    """Returns a denial reason or None. Reads the peer, so it belongs to the shell."""
+    try:
+        auth = context.auth_context()
+        check_transport(auth)
+        identity = identity_from_auth_context(auth)
+        subject = None
+        if access.self_field and request is not None:
+            subject = str(getattr(request, access.self_field, ""))
+        authorize(identity, access, subject)
+    except (IdentityError, PermissionDenied) as exc:
+        return str(exc)
+    return None
+
+
+class RoleInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Applies a method policy to every call before the handler runs.
+
+    Pass ``registry`` to count denials as ``bigfleet_<component>_permission_denied_total``.
+    """
+
+    def __init__(
+        self,
+        policy: Mapping[str, Access],
+        *,
+        unlisted: Access = ADMIN_ONLY,
+        registry: CollectorRegistry | None = None,
+        component: str = "security",
+    ) -> None:
+        self._policy = dict(policy)
+        self._unlisted = unlisted
+        self._denials = _Denials(registry, component)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method
+        return _wrap(handler, method, lookup(self._policy, method, self._unlisted), self._denials)
+
+
+def _wrap(handler: grpc.RpcMethodHandler, method: str, access: Access, denials: _Denials) -> grpc.RpcMethodHandler:
+    des, ser = handler.request_deserializer, handler.response_serializer
+
+    if handler.unary_unary is not None:
+        inner_uu = handler.unary_unary
+
+        async def uu(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            reason = _decide(context, access, request)
+            if reason is not None:
+                await _deny(context, method, reason, denials)
+            return await inner_uu(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(uu, request_deserializer=des, response_serializer=ser)
+
+    if handler.unary_stream is not None:
+        inner_us = handler.unary_stream
+        if inspect.isasyncgenfunction(inner_us):
+
+            async def us_gen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                reason = _decide(context, access, request)
+                if reason is not None:
+                    await _deny(context, method, reason, denials)
+                async for item in inner_us(request, context):
+                    yield item
+
+            return grpc.unary_stream_rpc_method_handler(us_gen, request_deserializer=des, response_serializer=ser)
+
+        async def us(request: Any, context: grpc.aio.ServicerContext) -> None:
+            reason = _decide(context, access, request)
+            if reason is not None:
+                await _deny(context, method, reason, denials)
+            await inner_us(request, context)
+
+        return grpc.unary_stream_rpc_method_handler(us, request_deserializer=des, response_serializer=ser)
+
+    if handler.stream_unary is not None:
+        inner_su = handler.stream_unary
+
+        async def su(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+            reason = _decide(context, access, None)
+            if reason is not None:
+                await _deny(context, method, reason, denials)
+            return await inner_su(request_iterator, context)
+
+        return grpc.stream_unary_rpc_method_handler(su, request_deserializer=des, response_serializer=ser)
+
+    inner_ss = handler.stream_stream
+    if inspect.isasyncgenfunction(inner_ss):
+
+        async def ss_gen(request_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            reason = _decide(context, access, None)
+            if reason is not None:
+                await _deny(context, method, reason, denials)
+            async for item in inner_ss(request_iterator, context):
+                yield item
+
+        return grpc.stream_stream_rpc_method_handler(ss_gen, request_deserializer=des, response_serializer=ser)
+
+    async def ss(request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        reason = _decide(context, access, None)
+        if reason is not None:
+            await _deny(context, method, reason, denials)
+        await inner_ss(request_iterator, context)
+
+    return grpc.stream_stream_rpc_method_handler(ss, request_deserializer=des, response_serializer=ser)
+
+
+async def require_role(context: grpc.aio.ServicerContext, *roles: Role) -> Identity | None:
+    """In-handler check: abort with PERMISSION_DENIED unless the caller holds one of ``roles``."""
+    reason = _decide(context, Access(frozenset(roles)), None)
+    if reason is not None:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
+    return _identity_or_none(context)
+
+
+async def require_self(context: grpc.aio.ServicerContext, role: Role, subject_id: str) -> Identity | None:
+    """Abort unless the caller is exactly ``bigfleet://<role>/<subject_id>`` (plaintext passes)."""
+    reason = _decide(context, Access.of(role, self_field="x"), _Subject(subject_id))
+    if reason is not None:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
+    return _identity_or_none(context)
+
+
+async def require_cluster(context: grpc.aio.ServicerContext, cluster_id: str) -> Identity | None:
+    """The Session check: the certificate must name ``bigfleet://cluster/<cluster_id>``."""
+    return await require_self(context, Role.CLUSTER, cluster_id)
+
+
+async def require_shard(context: grpc.aio.ServicerContext, shard_id: str) -> Identity | None:
+    """The ReportShard check: only ``bigfleet://shard/<shard_id>`` (admin does not pass)."""
+    return await require_self(context, Role.SHARD, shard_id)
+
+
+def session_denial(context: grpc.aio.ServicerContext, cluster_id: str) -> str | None:
+    """Non-aborting twin of :func:`require_cluster` for handlers that count before aborting."""
+    return _decide(context, Access.of(Role.CLUSTER, self_field="x"), _Subject(cluster_id))
+
+
+@dataclass(frozen=True)
+class _Subject:
+    x: str
+
+
+def _identity_or_none(context: grpc.aio.ServicerContext) -> Identity | None:
+    try:
+        return identity_from_auth_context(context.auth_context())
+    except IdentityError:
+        return None

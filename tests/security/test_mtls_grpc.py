@@ -1,0 +1,220 @@
+"""Real grpc.aio servers on loopback under mTLS: identities, roles and handshakes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from bigfleet.security import TLSConfig, dial
+from bigfleet.v1alpha1 import capacity_pb2 as capb
+from bigfleet.v1alpha1 import coordinator_pb2 as cpb
+from bigfleet.v1alpha1 import coordinator_pb2_grpc as cgrpc
+from bigfleet.v1alpha1 import shard_pb2 as spb
+from bigfleet.v1alpha1 import shard_pb2_grpc as sgrpc
+
+from .conftest import Pki
+from .servers import start
+
+PD = grpc.StatusCode.PERMISSION_DENIED
+
+
+def cfg(pki: Pki, name: str, ca: Path | None = None) -> TLSConfig:
+    return TLSConfig.from_paths(pki.root / f"{name}.crt", pki.root / f"{name}.key", ca or pki.ca_file)
+
+
+@pytest.fixture
+async def server(pki: Pki) -> AsyncIterator[int]:
+    srv, port, _ = await start(cfg(pki, "shard-0"))
+    yield port
+    await srv.stop(None)
+
+
+async def call_code(pki: Pki, port: int, who: str, fn: str, req: object) -> grpc.StatusCode:
+    async with dial(f"127.0.0.1:{port}", cfg(pki, who)) as ch:
+        stub = cgrpc.CoordinatorStub(ch)
+        try:
+            await getattr(stub, fn)(req, timeout=10)
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+        return grpc.StatusCode.OK
+
+
+async def session_code(pki: Pki, port: int, who: str, cluster_id: str) -> grpc.StatusCode:
+    async with dial(f"127.0.0.1:{port}", cfg(pki, who)) as ch:
+        call = sgrpc.ShardStub(ch).Session(timeout=10)
+        try:
+            await call.write(spb.OperatorMessage(hello=spb.Hello(cluster_id=cluster_id, protocol_version="v1alpha1")))
+            reply = await call.read()
+            assert reply.ack.echo == "hello"
+            await call.write(spb.OperatorMessage(rollup=capb.ClusterCapacityNeeds(cluster_id=cluster_id)))
+            assert (await call.read()).ack.echo == "rollup"
+            await call.done_writing()
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+        return grpc.StatusCode.OK
+
+
+async def test_admin_mutates_readonly_cannot(pki: Pki, server: int) -> None:
+    req = cpb.AssignDomainRequest(topology_key="zone", topology_value="a", shard_id="shard-0")
+    assert await call_code(pki, server, "admin", "AssignDomain", req) == grpc.StatusCode.OK
+    assert await call_code(pki, server, "readonly", "AssignDomain", req) == PD
+    assert await call_code(pki, server, "cluster-a", "AssignDomain", req) == PD
+    assert await call_code(pki, server, "shard-0", "AssignDomain", req) == PD
+
+
+async def test_reads_accept_readonly_and_admin_only(pki: Pki, server: int) -> None:
+    req = cpb.ListShardsRequest()
+    assert await call_code(pki, server, "readonly", "ListShards", req) == grpc.StatusCode.OK
+    assert await call_code(pki, server, "admin", "ListShards", req) == grpc.StatusCode.OK
+    assert await call_code(pki, server, "cluster-a", "ListShards", req) == PD
+    assert await call_code(pki, server, "shard-0", "ListShards", req) == PD
+
+
+async def test_server_streaming_admin_gate(pki: Pki, server: int) -> None:
+    for who, want in [("admin", grpc.StatusCode.OK), ("readonly", PD)]:
+        async with dial(f"127.0.0.1:{server}", cfg(pki, who)) as ch:
+            code = grpc.StatusCode.OK
+            try:
+                chunks = [c async for c in cgrpc.CoordinatorStub(ch).SnapshotSave(cpb.SnapshotSaveRequest(), timeout=10)]
+                assert chunks[0].meta_json == b"{}"
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+            assert code == want, who
+
+
+async def test_report_shard_only_for_itself(pki: Pki, server: int) -> None:
+    assert await call_code(pki, server, "shard-0", "ReportShard", cpb.ShardReport(shard_id="shard-0")) == grpc.StatusCode.OK
+    assert await call_code(pki, server, "shard-0", "ReportShard", cpb.ShardReport(shard_id="shard-1")) == PD
+    assert await call_code(pki, server, "admin", "ReportShard", cpb.ShardReport(shard_id="shard-0")) == PD
+    # validation still answers for a missing id
+    assert (
+        await call_code(pki, server, "shard-0", "ReportShard", cpb.ShardReport())
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
+
+
+async def test_session_only_for_own_cluster(pki: Pki, server: int) -> None:
+    assert await session_code(pki, server, "cluster-a", "cluster-a") == grpc.StatusCode.OK
+    assert await session_code(pki, server, "cluster-a", "cluster-b") == PD
+    assert await session_code(pki, server, "cluster-b", "cluster-a") == PD
+    assert await session_code(pki, server, "admin", "cluster-a") == PD
+    assert await session_code(pki, server, "shard-0", "cluster-a") == PD
+
+
+@pytest.mark.parametrize("who", ["no-identity", "two-identities"])
+async def test_bad_identity_certificates_denied(pki: Pki, server: int, who: str) -> None:
+    assert await call_code(pki, server, who, "ListShards", cpb.ListShardsRequest()) == PD
+
+
+async def test_foreign_scheme_sans_are_ignored(pki: Pki, server: int) -> None:
+    assert await call_code(pki, server, "foreign-scheme", "ListShards", cpb.ListShardsRequest()) == grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("who", ["expired-admin", "foreign-ca-admin"])
+async def test_untrusted_client_certificates_fail_the_handshake(pki: Pki, server: int, who: str) -> None:
+    assert await call_code(pki, server, who, "ListShards", cpb.ListShardsRequest()) == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_no_client_certificate_fails_the_handshake(pki: Pki, server: int) -> None:
+    creds = grpc.ssl_channel_credentials(root_certificates=pki.ca_file.read_bytes())
+    async with grpc.aio.secure_channel(f"127.0.0.1:{server}", creds) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await cgrpc.CoordinatorStub(ch).ListShards(cpb.ListShardsRequest(), timeout=10)
+    assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_plaintext_client_cannot_talk_to_tls_server(pki: Pki, server: int) -> None:
+    async with dial(f"127.0.0.1:{server}", None) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await cgrpc.CoordinatorStub(ch).ListShards(cpb.ListShardsRequest(), timeout=10)
+    assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_client_rejects_server_from_foreign_ca(pki: Pki) -> None:
+    srv, port, _ = await start(cfg(pki, "foreign-ca-admin", ca=pki.ca_file))
+    try:
+        assert await call_code(pki, port, "admin", "ListShards", cpb.ListShardsRequest()) == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await srv.stop(None)
+
+
+async def test_plaintext_server_skips_checks(pki: Pki) -> None:
+    srv, port, coord = await start(None)
+    try:
+        async with dial(f"127.0.0.1:{port}", None) as ch:
+            await cgrpc.CoordinatorStub(ch).AssignDomain(
+                cpb.AssignDomainRequest(topology_key="k", topology_value="v", shard_id="s"), timeout=10
+            )
+            call = sgrpc.ShardStub(ch).Session(timeout=10)
+            await call.write(spb.OperatorMessage(hello=spb.Hello(cluster_id="any")))
+            assert (await call.read()).ack.echo == "hello"
+            await call.done_writing()
+        assert coord.domains == [("k", "v", "s")]
+    finally:
+        await srv.stop(None)
+
+
+def _bump(path: Path, ns: int) -> None:
+    os.utime(path, ns=(ns, ns))
+
+
+async def test_rotation_is_picked_up_and_half_written_pair_is_ignored(pki: Pki, tmp_path: Path) -> None:
+    """Server leaf rotates from CA1 to CA2; clients trusting only one CA show which one serves."""
+    from bigfleet.security import certs
+    from bigfleet.security.identity import shard
+
+    ca2 = pki.foreign_ca
+    both = tmp_path / "client-ca.pem"
+    crt, key = tmp_path / "srv.crt", tmp_path / "srv.key"
+    certs.write_pair(certs.issue_certificate(pki.ca, shard("shard-0")), crt, key)
+    _bump(crt, 1_000_000_000_000_000_000)
+    _bump(key, 1_000_000_000_000_000_000)
+    server_cfg = TLSConfig.from_paths(crt, key, pki.ca_file)  # verifies clients against CA1 only
+    reloader = server_cfg.reloader()
+    from bigfleet.rpc import new_server
+    from bigfleet.security import COORDINATOR_POLICY, RoleInterceptor
+
+    from .servers import Coordinator
+
+    srv, _ = new_server(interceptors=[RoleInterceptor(COORDINATOR_POLICY)])
+    cgrpc.add_CoordinatorServicer_to_server(Coordinator(), srv)  # type: ignore[abstract]
+    port = srv.add_secure_port("127.0.0.1:0", server_cfg.server_credentials(reloader))
+    await srv.start()
+    ca2_file = tmp_path / "ca2.pem"
+    ca2_file.write_bytes(ca2.cert_pem)
+    both.write_bytes(pki.ca.cert_pem + ca2.cert_pem)
+
+    async def ok_with(server_ca: Path) -> bool:
+        client = TLSConfig.from_paths(pki.root / "readonly.crt", pki.root / "readonly.key", server_ca)
+        async with dial(f"127.0.0.1:{port}", client) as ch:
+            try:
+                await cgrpc.CoordinatorStub(ch).ListShards(cpb.ListShardsRequest(), timeout=10)
+            except grpc.aio.AioRpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE
+                return False
+            return True
+
+    try:
+        assert await ok_with(pki.ca_file) and not await ok_with(ca2_file)
+        new = certs.issue_certificate(ca2, shard("shard-0"))
+        # Half-written rotation: the new certificate lands first, the key is still the old one.
+        crt.write_bytes(new.cert_pem)
+        _bump(crt, 1_000_000_000_000_000_001)
+        assert await ok_with(pki.ca_file), "a mismatched pair must keep the old one serving"
+        assert reloader.reloads == 0 and reloader.failures == 1
+        # The key follows: now the CA2 leaf serves.
+        certs.write_pair(new, crt, key)
+        _bump(crt, 1_000_000_000_000_000_002)
+        _bump(key, 1_000_000_000_000_000_002)
+        assert await ok_with(ca2_file) and not await ok_with(pki.ca_file)
+        assert reloader.reloads == 1
+        assert await ok_with(both)
+        # A vanished file (failed stat) keeps the cached pair serving.
+        key.unlink()
+        assert await ok_with(ca2_file)
+    finally:
+        await srv.stop(None)
