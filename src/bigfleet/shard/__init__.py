@@ -1,0 +1,1 @@
+"""The shard daemon: Session server, decision cycles, fenced provider execution, reconcile."""

@@ -1,0 +1,59 @@
+"""Shard configuration: flags, then environment (``BIGFLEET_SHARD_*``), then an optional YAML file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ShardSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="BIGFLEET_SHARD_", extra="forbid")
+
+    shard_id: str = "shard-0"
+    listen: str = "127.0.0.1:7780"
+    provider: str = ""
+    metrics_listen: str = ""
+    coordinator: str = ""
+    advertise: str = ""
+    data_dir: str = "./data"
+    cycle_interval: float = Field(10.0, gt=0)
+    min_cycle_gap: float = Field(0.2, ge=0)
+    bootstrap_timeout: float = Field(30.0, gt=0)
+    execute_timeout: float = Field(30.0, gt=0)
+    execute_concurrency: int = Field(32, ge=1)
+    reclaim_ack_timeout: float = Field(10.0, gt=0)
+    reconcile_interval: float = Field(1.0, ge=0)
+    full_reconcile_every: int = Field(30, ge=1)
+    available_capacity_interval: float = Field(5.0, ge=0)
+    reclaim_cap_fraction: float = Field(0.05, ge=0, le=1)
+    empty_rollup_guard: bool = True
+    dry_run: bool = False
+    paused: bool = False
+    heartbeat_interval: float = Field(10.0, gt=0)
+    log_level: str = "info"
+    log_format: str = "json"
+
+    @field_validator("listen", "provider", "metrics_listen", "advertise")
+    @classmethod
+    def _hostport(cls, v: str) -> str:
+        if v and (":" not in v or not v.rpartition(":")[2].isdigit()):
+            raise ValueError(f"expected HOST:PORT, got {v!r}")
+        return v
+
+
+def load_settings(config_file: str | None, overrides: dict[str, Any]) -> ShardSettings:
+    """File values < environment < explicit flags."""
+    file_values: dict[str, Any] = {}
+    if config_file:
+        raw = yaml.safe_load(Path(config_file).read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{config_file}: expected a mapping")
+        file_values = {k.replace("-", "_"): v for k, v in raw.items()}
+    env_only = ShardSettings()  # type: ignore[call-arg]
+    env_set = {k: getattr(env_only, k) for k in env_only.model_fields_set}
+    merged = {**file_values, **env_set, **{k: v for k, v in overrides.items() if v is not None}}
+    return ShardSettings.model_validate(merged)

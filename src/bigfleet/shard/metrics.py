@@ -1,0 +1,63 @@
+"""The shard's Prometheus metrics (names from protocols.md §17 where they exist)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+def _exp(start: float, factor: float, count: int) -> list[float]:
+    return [start * factor**i for i in range(count)]
+
+
+class ShardMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        cyc = _exp(0.001, 2, 14)
+        self.cycle_duration = Histogram("bigfleet_shard_cycle_duration_seconds", "Whole decision cycle", buckets=cyc, registry=r)
+        self.phase_duration = Histogram(
+            "bigfleet_shard_cycle_phase_duration_seconds", "Cycle time per phase", ["phase"], buckets=cyc, registry=r
+        )
+        self.cycles = Counter("bigfleet_shard_cycles_total", "Decision cycles run", registry=r)
+        self.actions = Counter("bigfleet_shard_actions_total", "Actions emitted by the engine", ["kind"], registry=r)
+        self.action_outcomes = Counter(
+            "bigfleet_shard_action_execute_outcomes_total", "Executed actions by outcome", ["kind", "outcome"], registry=r
+        )
+        self.actions_deduped = Counter("bigfleet_shard_actions_deduped_total", "Actions for machines already in flight", registry=r)
+        self.actions_suppressed = Counter(
+            "bigfleet_shard_actions_suppressed_total", "Actions not executed while paused", ["kind"], registry=r
+        )
+        self.actions_dryrun = Counter("bigfleet_shard_actions_dryrun_total", "Actions computed in dry-run", ["kind"], registry=r)
+        self.execute_inflight = Gauge("bigfleet_shard_execute_inflight", "Actions executing now", registry=r)
+        self.inventory = Gauge("bigfleet_shard_inventory_machines", "Machines by state", ["state"], registry=r)
+        self.shortfalls = Gauge("bigfleet_shard_shortfalls", "Shortfalls reported by the last cycle", registry=r)
+        self.session_lifecycle = Counter(
+            "bigfleet_shard_session_lifecycle_total", "Session installs, replacements, removals", ["event"], registry=r
+        )
+        self.active_sessions = Gauge("bigfleet_shard_active_sessions", "Open operator sessions", registry=r)
+        self.rollups = Counter("bigfleet_shard_rollups_total", "Roll-ups accepted", registry=r)
+        self.rollups_rejected = Counter(
+            "bigfleet_shard_rollups_rejected_total", "Roll-ups rejected by validation", ["cluster"], registry=r
+        )
+        self.rollup_quarantined = Gauge(
+            "bigfleet_shard_rollup_quarantined", "Roll-ups held by the empty-roll-up guard", ["cluster"], registry=r
+        )
+        self.rollup_duration = Histogram(
+            "bigfleet_shard_rollup_handle_seconds", "Validate and apply one roll-up", buckets=_exp(0.0001, 2, 16), registry=r
+        )
+        self.machines_rejected = Counter(
+            "bigfleet_shard_machines_rejected_total", "Provider records rejected at ingest", ["reason"], registry=r
+        )
+        self.provider_rpc = Histogram(
+            "bigfleet_shard_provider_rpc_duration_seconds", "Provider RPC latency per attempt", ["rpc"],
+            buckets=_exp(0.001, 2, 16), registry=r,
+        )
+        self.provider_errors = Counter(
+            "bigfleet_shard_provider_rpc_errors_total", "Provider RPC failures per attempt", ["rpc", "code"], registry=r
+        )
+        self.paused = Gauge("bigfleet_shard_actuation_paused", "1 while actuation is paused", registry=r)
+        self.outbox_overflow = Counter(
+            "bigfleet_shard_outbox_overflow_total", "Sessions closed because their outbox overflowed", registry=r
+        )
+        self.bootstrap_duration = Histogram(
+            "bigfleet_shard_request_bootstrap_seconds", "Bootstrap pull round trip", buckets=_exp(0.01, 2, 16), registry=r
+        )

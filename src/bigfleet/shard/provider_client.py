@@ -1,0 +1,154 @@
+"""Client side of the provider contract: deadlines, bounded retries, fencing tokens.
+
+Every attempt of a mutating call draws a fresh sequence number (the provider
+accepts only a strictly newer token per machine, and a retry of a call that
+did land must not be refused as a replay of itself). FAILED_PRECONDITION is
+the provider's fencing answer: we are a zombie, never retry it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from bigfleet.rpc import insecure_channel
+from bigfleet.shard.metrics import ShardMetrics
+from bigfleet.v1alpha1 import provider_pb2, provider_pb2_grpc
+
+T = TypeVar("T")
+
+RETRYABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+     grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN}
+)
+
+
+class ProviderError(Exception):
+    def __init__(self, rpc: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"provider {rpc}: {code.name}: {details}")
+        self.rpc = rpc
+        self.code = code
+        self.details = details
+
+    @property
+    def fenced(self) -> bool:
+        return bool(self.code == grpc.StatusCode.FAILED_PRECONDITION)
+
+
+class ProviderClient:
+    def __init__(
+        self,
+        target: str,
+        shard_id: str,
+        shard_epoch: int,
+        metrics: ShardMetrics | None = None,
+        lifecycle_timeout: float = 30.0,
+        list_timeout: float = 120.0,
+        attempt_timeout: float = 10.0,
+        max_attempts: int = 4,
+        backoff: float = 0.2,
+    ) -> None:
+        self.target = target
+        self.shard_id = shard_id
+        self.shard_epoch = shard_epoch
+        self._metrics = metrics
+        self._channel = insecure_channel(target)
+        self._stub = provider_pb2_grpc.CapacityProviderStub(self._channel)
+        self._seq = itertools.count(1)
+        self.lifecycle_timeout = lifecycle_timeout
+        self.list_timeout = list_timeout
+        self.attempt_timeout = attempt_timeout
+        self.max_attempts = max_attempts
+        self.backoff = backoff
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def next_sequence(self) -> int:
+        return next(self._seq)
+
+    async def _call(self, rpc: str, fn: Callable[[float], Awaitable[T]], total: float) -> T:
+        deadline = time.monotonic() + total
+        delay = self.backoff
+        attempt = 0
+        while True:
+            attempt += 1
+            remaining = deadline - time.monotonic()
+            per = max(0.05, min(self.attempt_timeout, remaining))
+            start = time.perf_counter()
+            try:
+                result = await fn(per)
+                if self._metrics:
+                    self._metrics.provider_rpc.labels(rpc).observe(time.perf_counter() - start)
+                return result
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                if self._metrics:
+                    self._metrics.provider_rpc.labels(rpc).observe(time.perf_counter() - start)
+                    self._metrics.provider_errors.labels(rpc, code.name).inc()
+                remaining = deadline - time.monotonic()
+                if code not in RETRYABLE or attempt >= self.max_attempts or remaining <= delay:
+                    raise ProviderError(rpc, code, exc.details() or "") from None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def _token(self) -> dict[str, Any]:
+        return {"shard_id": self.shard_id, "shard_epoch": self.shard_epoch, "sequence_number": self.next_sequence()}
+
+    async def create(self, machine_id: str) -> provider_pb2.TransitionAck:
+        return await self._call(
+            "Create",
+            lambda t: self._stub.Create(provider_pb2.CreateRequest(machine_id=machine_id, **self._token()), timeout=t),
+            self.lifecycle_timeout,
+        )
+
+    async def configure(
+        self, machine_id: str, cluster_id: str, blob: bytes, metadata: dict[str, str]
+    ) -> provider_pb2.TransitionAck:
+        return await self._call(
+            "Configure",
+            lambda t: self._stub.Configure(
+                provider_pb2.ConfigureRequest(
+                    machine_id=machine_id, cluster_id=cluster_id, bootstrap_blob=blob, shard_metadata=metadata,
+                    **self._token(),
+                ),
+                timeout=t,
+            ),
+            self.lifecycle_timeout,
+        )
+
+    async def drain(self, machine_id: str, grace_period_seconds: int) -> provider_pb2.TransitionAck:
+        return await self._call(
+            "Drain",
+            lambda t: self._stub.Drain(
+                provider_pb2.DrainRequest(machine_id=machine_id, grace_period_seconds=grace_period_seconds, **self._token()),
+                timeout=t,
+            ),
+            self.lifecycle_timeout,
+        )
+
+    async def delete(self, machine_id: str) -> provider_pb2.TransitionAck:
+        return await self._call(
+            "Delete",
+            lambda t: self._stub.Delete(provider_pb2.DeleteRequest(machine_id=machine_id, **self._token()), timeout=t),
+            self.lifecycle_timeout,
+        )
+
+    async def get(self, machine_id: str, total: float | None = None) -> provider_pb2.Machine:
+        return await self._call(
+            "Get",
+            lambda t: self._stub.Get(provider_pb2.MachineRef(id=machine_id), timeout=t),
+            total or self.lifecycle_timeout,
+        )
+
+    async def list(self, since_revision: bytes = b"", total: float | None = None) -> provider_pb2.MachineList:
+        return await self._call(
+            "List",
+            lambda t: self._stub.List(provider_pb2.ListFilter(since_revision=since_revision), timeout=max(t, 5.0)),
+            total or self.list_timeout,
+        )

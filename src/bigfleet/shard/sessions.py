@@ -1,0 +1,297 @@
+"""The ``Shard.Session`` server: one live stream per cluster.
+
+Each session has a reader (the handler's own task), a writer task draining
+the session's :class:`Outbox`, and a roll-up worker fed through a one-slot
+queue (roll-ups are full replacements, so only the newest matters). A newer
+session for the same cluster replaces the older one, which is closed with an
+explicit status. Shutdown is explicit too: every stream ends with UNAVAILABLE
+and a message telling the operator to reconnect, instead of relying on EOF
+(a client cancel and a clean half-close look the same on the server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from bigfleet.observability import get_logger
+from bigfleet.shard.metrics import ShardMetrics
+from bigfleet.shard.outbox import Outbox, OutboxOverflow
+from bigfleet.v1alpha1 import capacity_pb2, shard_pb2, shard_pb2_grpc
+
+log = get_logger("bigfleet.shard.sessions")
+
+PROTOCOL_VERSION = "v1alpha1"
+
+
+@dataclass(frozen=True)
+class RollupOutcome:
+    """What the roll-up handler decided; ``error`` set means rejected (no ack)."""
+
+    accepted: bool
+    error: str = ""
+    quarantined: bool = False
+
+
+RollupHandler = Callable[[str, capacity_pb2.ClusterCapacityNeeds], Awaitable[RollupOutcome]]
+
+
+@dataclass(frozen=True)
+class BootstrapResult:
+    user_data: bytes
+    ttl_seconds: int
+    error: str
+
+
+class BootstrapUnavailable(Exception):
+    """No session, the session went away, or the operator did not answer in time."""
+
+
+class OperatorSession:
+    def __init__(self, cluster_id: str, context: grpc.aio.ServicerContext, max_unkeyed: int) -> None:
+        self.cluster_id = cluster_id
+        self.context = context
+        self.outbox = Outbox(max_unkeyed=max_unkeyed)
+        self.id = secrets.token_hex(4)
+        self.closed = asyncio.Event()
+        self.close_code = grpc.StatusCode.UNAVAILABLE
+        self.close_reason = ""
+        self._bootstrap_waiters: dict[str, asyncio.Future[BootstrapResult]] = {}
+        self._reclaim_waiters: dict[str, asyncio.Future[int]] = {}
+        self.pending_rollup: capacity_pb2.ClusterCapacityNeeds | None = None
+        self.rollup_ready = asyncio.Event()
+
+    def send(self, msg: shard_pb2.ShardMessage) -> bool:
+        """Queue a frame; False (and the session closes) if its outbox overflowed."""
+        if self.closed.is_set():
+            return False
+        try:
+            self.outbox.put(msg)
+            return True
+        except OutboxOverflow as exc:
+            self.close(grpc.StatusCode.RESOURCE_EXHAUSTED, f"outbox overflow ({exc}); reconnect for a resync")
+            return False
+
+    def close(self, code: grpc.StatusCode, reason: str) -> None:
+        if self.closed.is_set():
+            return
+        self.close_code, self.close_reason = code, reason
+        self.closed.set()
+        self.outbox.close()
+        for fut in self._bootstrap_waiters.values():
+            if not fut.done():
+                fut.set_exception(BootstrapUnavailable(f"session closed: {reason}"))
+        for rfut in self._reclaim_waiters.values():
+            if not rfut.done():
+                rfut.cancel()
+
+    async def request_bootstrap(
+        self, requirements: list[capacity_pb2.NodeSelectorRequirement], timeout: float
+    ) -> BootstrapResult:
+        request_id = secrets.token_hex(8)
+        fut: asyncio.Future[BootstrapResult] = asyncio.get_running_loop().create_future()
+        self._bootstrap_waiters[request_id] = fut
+        try:
+            msg = shard_pb2.ShardMessage(
+                bootstrap_request=shard_pb2.BootstrapRequest(
+                    request_id=request_id, requirements=requirements, cluster_id=self.cluster_id
+                )
+            )
+            if not self.send(msg):
+                raise BootstrapUnavailable("session closed")
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), timeout)
+            except TimeoutError:
+                raise BootstrapUnavailable(f"no bootstrap response within {timeout:g}s") from None
+        finally:
+            self._bootstrap_waiters.pop(request_id, None)
+
+    def send_reclaim(self, nodes: list[str], grace_seconds: int, preemptor_priority: int) -> asyncio.Future[int]:
+        """Send a ReclaimInstruction; the future resolves with ``nodes_started`` when acked."""
+        instruction_id = secrets.token_hex(8)
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._reclaim_waiters[instruction_id] = fut
+        fut.add_done_callback(lambda _f: self._reclaim_waiters.pop(instruction_id, None))
+        self.send(
+            shard_pb2.ShardMessage(
+                reclaim_instruction=shard_pb2.ReclaimInstruction(
+                    instruction_id=instruction_id, nodes=nodes, grace_period_seconds=grace_seconds,
+                    preemptor_priority=preemptor_priority,
+                )
+            )
+        )
+        return fut
+
+    def deliver_bootstrap(self, resp: shard_pb2.BootstrapBlobResponse) -> None:
+        fut = self._bootstrap_waiters.get(resp.request_id)
+        if fut is not None and not fut.done():
+            fut.set_result(BootstrapResult(bytes(resp.user_data), int(resp.ttl_seconds), resp.error))
+
+    def deliver_reclaim_ack(self, ack: shard_pb2.ReclaimAck) -> None:
+        fut = self._reclaim_waiters.get(ack.instruction_id)
+        if fut is not None and not fut.done():
+            fut.set_result(int(ack.nodes_started))
+
+
+class SessionRegistry:
+    """Live sessions by cluster; what the cycle and executor use to reach operators."""
+
+    def __init__(self, metrics: ShardMetrics | None = None) -> None:
+        self._by_cluster: dict[str, OperatorSession] = {}
+        self._metrics = metrics
+        self.on_removed: list[Callable[[str], None]] = []
+
+    def get(self, cluster_id: str) -> OperatorSession | None:
+        return self._by_cluster.get(cluster_id)
+
+    def clusters(self) -> list[str]:
+        return list(self._by_cluster)
+
+    def __len__(self) -> int:
+        return len(self._by_cluster)
+
+    def install(self, session: OperatorSession) -> None:
+        old = self._by_cluster.get(session.cluster_id)
+        self._by_cluster[session.cluster_id] = session
+        if old is not None:
+            old.close(grpc.StatusCode.ABORTED, "replaced by a newer session for this cluster")
+        if self._metrics:
+            self._metrics.session_lifecycle.labels("replaced" if old else "installed").inc()
+            self._metrics.active_sessions.set(len(self._by_cluster))
+
+    def remove(self, session: OperatorSession) -> None:
+        if self._by_cluster.get(session.cluster_id) is session:
+            del self._by_cluster[session.cluster_id]
+            for cb in self.on_removed:
+                cb(session.cluster_id)
+        if self._metrics:
+            self._metrics.session_lifecycle.labels("removed").inc()
+            self._metrics.active_sessions.set(len(self._by_cluster))
+
+    def send(self, cluster_id: str, msg: shard_pb2.ShardMessage) -> bool:
+        s = self._by_cluster.get(cluster_id)
+        return s.send(msg) if s is not None else False
+
+    def close_all(self, code: grpc.StatusCode, reason: str) -> None:
+        for s in list(self._by_cluster.values()):
+            s.close(code, reason)
+
+
+class SessionServicer(shard_pb2_grpc.ShardServicer):
+    def __init__(
+        self,
+        registry: SessionRegistry,
+        on_rollup: RollupHandler,
+        ack_info: Callable[[], tuple[int, int]],
+        resync: Callable[[OperatorSession], None],
+        max_unkeyed: int = 4096,
+    ) -> None:
+        self.registry = registry
+        self._on_rollup = on_rollup
+        self._ack_info = ack_info
+        self._resync = resync
+        self._max_unkeyed = max_unkeyed
+        self.shutting_down = False
+
+    def _ack(self, echo: str) -> shard_pb2.ShardMessage:
+        term, epoch = self._ack_info()
+        return shard_pb2.ShardMessage(ack=shard_pb2.Acknowledgement(echo=echo, coordinator_term=term, shard_epoch=epoch))
+
+    async def Session(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
+        if self.shutting_down:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "shard shutting down; reconnect")
+        try:
+            first = await context.read()
+        except Exception as exc:  # a broken first read is the operator's fault, not ours
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"receive failed: {exc}")
+        if (
+            first is grpc.aio.EOF
+            or not isinstance(first, shard_pb2.OperatorMessage)
+            or first.WhichOneof("payload") != "hello"
+            or not first.hello.cluster_id
+        ):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first frame must be Hello with cluster_id")
+        cluster_id = first.hello.cluster_id
+        session = OperatorSession(cluster_id, context, self._max_unkeyed)
+        slog = log.bind(cluster=cluster_id, session=session.id)
+        self.registry.install(session)
+        slog.info("session installed", protocol_version=first.hello.protocol_version)
+        session.send(self._ack("hello"))
+        self._resync(session)
+
+        writer = asyncio.create_task(self._writer(session), name=f"session-writer-{cluster_id}")
+        worker = asyncio.create_task(self._rollup_worker(session), name=f"session-rollups-{cluster_id}")
+        reader = asyncio.create_task(self._reader(session), name=f"session-reader-{cluster_id}")
+        closed_wait = asyncio.create_task(session.closed.wait())
+        try:
+            await asyncio.wait({reader, closed_wait, writer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended_by_peer = reader.done() and not session.closed.is_set()
+            for t in (reader, worker, closed_wait):
+                t.cancel()
+            if ended_by_peer:
+                session.close(grpc.StatusCode.OK, "operator ended the stream")
+            # Flush whatever is already queued (e.g. a final status-relevant frame) before closing.
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(writer, 2.0)
+            writer.cancel()
+            self.registry.remove(session)
+            slog.info("session removed", reason=session.close_reason)
+        if session.close_code != grpc.StatusCode.OK:
+            await context.abort(session.close_code, session.close_reason)
+
+    async def _reader(self, session: OperatorSession) -> None:
+        ctx = session.context
+        while True:
+            msg = await ctx.read()
+            if msg is grpc.aio.EOF:
+                return
+            kind = msg.WhichOneof("payload")
+            if kind == "rollup":
+                session.pending_rollup = msg.rollup
+                session.rollup_ready.set()
+            elif kind == "bootstrap_response":
+                session.deliver_bootstrap(msg.bootstrap_response)
+            elif kind == "reclaim_ack":
+                session.deliver_reclaim_ack(msg.reclaim_ack)
+            elif kind == "hello":
+                session.send(self._ack("hello"))
+
+    async def _rollup_worker(self, session: OperatorSession) -> None:
+        while True:
+            await session.rollup_ready.wait()
+            session.rollup_ready.clear()
+            pb = session.pending_rollup
+            session.pending_rollup = None
+            if pb is None:
+                continue
+            if pb.cluster_id and pb.cluster_id != session.cluster_id:
+                log.warning("roll-up for another cluster rejected", cluster=session.cluster_id, claimed=pb.cluster_id)
+                continue
+            try:
+                outcome = await self._on_rollup(session.cluster_id, pb)
+            except Exception:
+                log.exception("roll-up handler failed", cluster=session.cluster_id)
+                continue
+            if outcome.accepted or outcome.quarantined:
+                session.send(self._ack("rollup"))
+            elif outcome.error:
+                # No "rollup" ack for a rejected roll-up; the reason rides on an ack echo that
+                # operators log (they never act on acks), so the error is visible on the stream.
+                session.send(self._ack(f"rollup-rejected: {outcome.error}"[:1024]))
+
+    async def _writer(self, session: OperatorSession) -> None:
+        ctx = session.context
+        while True:
+            frames = session.outbox.pop_ready()
+            for f in frames:
+                await ctx.write(f)
+            if session.outbox.closed and not len(session.outbox):
+                return
+            if not frames:
+                await session.outbox.wait()

@@ -1,0 +1,105 @@
+"""Pure pieces of the shard: epoch file, outbox coalescing, empty-roll-up guard."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from bigfleet.shard.epoch import EpochError, bump_epoch
+from bigfleet.shard.guard import EmptyRollupGuard, GuardConfig
+from bigfleet.shard.outbox import Outbox, OutboxOverflow
+from bigfleet.v1alpha1 import shard_pb2
+
+
+def test_epoch_starts_at_one_and_increments(tmp_path: Path) -> None:
+    assert bump_epoch(tmp_path) == 1
+    assert bump_epoch(tmp_path) == 2
+    assert (tmp_path / "epoch").read_text().strip() == "2"
+
+
+def test_epoch_corrupt_file_is_fatal(tmp_path: Path) -> None:
+    (tmp_path / "epoch").write_text("not-a-number\n")
+    with pytest.raises(EpochError):
+        bump_epoch(tmp_path)
+    assert (tmp_path / "epoch").read_text() == "not-a-number\n"
+
+
+def _node(mid: str, state: int) -> shard_pb2.ShardMessage:
+    return shard_pb2.ShardMessage(
+        node_state_update=shard_pb2.NodeStateUpdate(supersedes_key=f"node:{mid}", machine_id=mid, state=state)  # type: ignore[arg-type]
+    )
+
+
+def _ack(echo: str) -> shard_pb2.ShardMessage:
+    return shard_pb2.ShardMessage(ack=shard_pb2.Acknowledgement(echo=echo))
+
+
+async def test_outbox_coalesces_by_key_and_keeps_order() -> None:
+    ob = Outbox()
+    ob.put(_node("a", 2))
+    ob.put(_ack("x"))
+    ob.put(_node("b", 2))
+    ob.put(_node("a", 3))  # supersedes the first, moves behind b
+    frames = ob.pop_ready()
+    kinds = [(f.WhichOneof("payload"), f.node_state_update.machine_id, f.node_state_update.state) for f in frames]
+    assert kinds == [("ack", "", 0), ("node_state_update", "b", 2), ("node_state_update", "a", 3)]
+    assert ob.coalesced == 1
+    assert ob.pop_ready() == []
+
+
+async def test_outbox_never_blocks_and_overflows_on_unkeyed_frames() -> None:
+    ob = Outbox(max_unkeyed=3)
+    for i in range(3):
+        ob.put(_ack(str(i)))
+    with pytest.raises(OutboxOverflow):
+        ob.put(_ack("too many"))
+    # keyed frames still coalesce without growing
+    for _ in range(100):
+        ob.put(_node("m", 5))
+    assert len(ob) == 4
+
+
+async def test_outbox_wakes_waiter_and_close() -> None:
+    ob = Outbox()
+    waiter = asyncio.create_task(ob.wait())
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    ob.put(_ack("x"))
+    await asyncio.wait_for(waiter, 1)
+    ob.pop_ready()
+    ob.close()
+    await asyncio.wait_for(ob.wait(), 1)
+    ob.put(_ack("ignored after close"))
+    assert len(ob) == 0
+
+
+def test_guard_holds_collapse_until_three_confirmations() -> None:
+    g = EmptyRollupGuard(GuardConfig())
+    assert g.admit("c", 20)
+    assert not g.admit("c", 1)
+    assert not g.admit("c", 0)
+    assert g.held("c") == 2
+    assert g.admit("c", 0)  # third confirms
+    assert g.held("c") == 0
+    assert g.admit("c", 0)  # baseline now 0
+
+
+def test_guard_non_suspicious_resets_and_small_baselines_pass() -> None:
+    g = EmptyRollupGuard(GuardConfig())
+    assert g.admit("c", 9)
+    assert g.admit("c", 0)  # baseline < 10: never suspicious
+    assert g.admit("d", 50)
+    assert not g.admit("d", 4)
+    assert g.admit("d", 5)  # 10 % of 50 kept: accepted, resets held
+    assert g.held("d") == 0
+    assert g.admit("d", 5)
+
+
+def test_guard_first_rollup_after_start_always_accepted_and_disabled() -> None:
+    g = EmptyRollupGuard(GuardConfig())
+    assert g.admit("c", 0)
+    off = EmptyRollupGuard(GuardConfig(enabled=False))
+    assert off.admit("c", 100)
+    assert off.admit("c", 0)
