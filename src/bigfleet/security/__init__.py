@@ -18,6 +18,12 @@ from bigfleet.security.identity import (
     peer_identity,
     shard,
 )
+from bigfleet.security.raft import (
+    RaftPasswordError,
+    add_raft_password_arguments,
+    raft_password,
+    raft_password_or_exit,
+)
 from bigfleet.security.roles import (
     ADMIN_ONLY,
     COORDINATOR_POLICY,
@@ -58,11 +64,13 @@ __all__ = [
     "IdentityError",
     "KeyPairReloader",
     "PermissionDenied",
+    "RaftPasswordError",
     "Role",
     "RoleInterceptor",
     "TLSConfig",
     "TLSConfigError",
     "add_port",
+    "add_raft_password_arguments",
     "add_tls_arguments",
     "authorize",
     "cluster",
@@ -71,6 +79,8 @@ __all__ = [
     "identity_from_auth_context",
     "identity_from_certificate",
     "peer_identity",
+    "raft_password",
+    "raft_password_or_exit",
     "require_cluster",
     "require_role",
     "require_self",
