@@ -1,0 +1,156 @@
+"""Session server on a real grpc.aio server: Hello rules, acks, replacement, roll-up validation,
+bootstrap correlation and timeout, explicit shutdown status."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from bigfleet.needs import NeedsTable, ValidationError, rollup_from_proto
+from bigfleet.rpc import insecure_channel, new_server
+from bigfleet.shard.sessions import (
+    BootstrapUnavailable,
+    RollupOutcome,
+    SessionRegistry,
+    SessionServicer,
+)
+from bigfleet.v1alpha1 import capacity_pb2, shard_pb2, shard_pb2_grpc
+
+from .opsim import FakeOperator, need
+
+
+async def until(pred: object, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+@dataclass
+class Harness:
+    target: str
+    registry: SessionRegistry
+    servicer: SessionServicer
+    table: NeedsTable
+    server: grpc.aio.Server
+
+
+@pytest.fixture
+async def harness() -> AsyncIterator[Harness]:
+    table = NeedsTable()
+    registry = SessionRegistry()
+
+    async def on_rollup(cluster_id: str, pb: capacity_pb2.ClusterCapacityNeeds) -> RollupOutcome:
+        try:
+            _, needs = rollup_from_proto(pb, time.time_ns())
+        except ValidationError as exc:
+            return RollupOutcome(False, error=str(exc))
+        table.replace(cluster_id, needs, time.time_ns())
+        return RollupOutcome(True)
+
+    servicer = SessionServicer(registry, on_rollup, lambda: (7, 3), lambda s: None)
+    server, _ = new_server()
+    shard_pb2_grpc.add_ShardServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield Harness(f"127.0.0.1:{port}", registry, servicer, table, server)
+    finally:
+        await server.stop(None)
+
+
+async def _raw_session(target: str, first: shard_pb2.OperatorMessage) -> grpc.aio.AioRpcError:
+    async with insecure_channel(target) as ch:
+        call = shard_pb2_grpc.ShardStub(ch).Session()
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await call.write(first)
+            while True:
+                msg = await call.read()
+                if msg is grpc.aio.EOF:
+                    pytest.fail("stream ended without a status")
+        return ei.value
+
+
+async def test_first_frame_must_be_hello_with_cluster(harness: Harness) -> None:
+    err = await _raw_session(harness.target, shard_pb2.OperatorMessage(
+        rollup=capacity_pb2.ClusterCapacityNeeds(cluster_id="c1")))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    err = await _raw_session(harness.target, shard_pb2.OperatorMessage(hello=shard_pb2.Hello(cluster_id="")))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(harness.registry) == 0
+
+
+async def test_hello_ack_rollup_ack_and_validation_all_or_nothing(harness: Harness) -> None:
+    async with FakeOperator(harness.target, "c1") as op:
+        await until(lambda: op.acks("hello"), what="hello ack")
+        ack = op.acks("hello")[0]
+        assert (ack.coordinator_term, ack.shard_epoch) == (7, 3)
+        await op.send_rollup([need("1", count=2), need("2", priority=5)])
+        await until(lambda: op.acks("rollup"), what="rollup ack")
+        assert len(harness.table.cluster("c1")) == 2
+        before = harness.table.cluster("c1")
+        bad = need("1")
+        bad.aggregate_resources["cpu"] = "lots"
+        await op.send_rollup([need("4"), bad])
+        await until(lambda: op.acks("rollup-rejected:"), what="rejection on the stream")
+        assert "aggregate_resources" in op.acks("rollup-rejected:")[0].echo or "cpu" in op.acks("rollup-rejected:")[0].echo
+        assert harness.table.cluster("c1") == before
+        assert len(op.acks("rollup")) == 1
+        # a mid-stream Hello is answered, not fatal
+        await op.send(shard_pb2.OperatorMessage(hello=shard_pb2.Hello(cluster_id="c1")))
+        await until(lambda: len(op.acks("hello")) == 2, what="second hello ack")
+
+
+async def test_newer_session_replaces_older(harness: Harness) -> None:
+    async with FakeOperator(harness.target, "c1") as old:
+        await until(lambda: old.acks("hello"))
+        first = harness.registry.get("c1")
+        async with FakeOperator(harness.target, "c1") as new:
+            await until(lambda: new.acks("hello"))
+            await until(lambda: old.status is not None, what="old session closed")
+            assert old.status == grpc.StatusCode.ABORTED
+            assert harness.registry.get("c1") is not first
+            assert len(harness.registry) == 1
+            await new.send_rollup([need("1")])
+            await until(lambda: new.acks("rollup"))
+
+
+async def test_bootstrap_pull_is_correlated_and_times_out(harness: Harness) -> None:
+    async with FakeOperator(harness.target, "c1", blob=b"join-me") as op:
+        await until(lambda: harness.registry.get("c1") is not None)
+        s = harness.registry.get("c1")
+        assert s is not None
+        res = await s.request_bootstrap([], timeout=5)
+        assert res.user_data == b"join-me" and res.error == ""
+        req = op.of("bootstrap_request")[0].bootstrap_request
+        assert req.cluster_id == "c1" and len(req.request_id) == 16
+        # an unknown request id is dropped silently
+        await op.send(shard_pb2.OperatorMessage(bootstrap_response=shard_pb2.BootstrapBlobResponse(request_id="nope")))
+        op.answer_bootstrap = False
+        with pytest.raises(BootstrapUnavailable):
+            await s.request_bootstrap([], timeout=0.3)
+
+
+async def test_reclaim_ack_resolves_and_shutdown_is_explicit(harness: Harness) -> None:
+    async with FakeOperator(harness.target, "c1") as op:
+        await until(lambda: harness.registry.get("c1") is not None)
+        s = harness.registry.get("c1")
+        assert s is not None
+        fut = s.send_reclaim(["node-a", "node-b"], 30, 0)
+        assert await asyncio.wait_for(fut, 5) == 2
+        ri = op.reclaims()[0]
+        assert list(ri.nodes) == ["node-a", "node-b"] and ri.grace_period_seconds == 30
+        harness.servicer.shutting_down = True
+        harness.registry.close_all(grpc.StatusCode.UNAVAILABLE, "shard shutting down; reconnect")
+        await until(lambda: op.status is not None, what="stream end")
+        assert op.status == grpc.StatusCode.UNAVAILABLE
+        assert "reconnect" in op.details
+    # new sessions are refused while shutting down
+    err = await _raw_session(harness.target, shard_pb2.OperatorMessage(hello=shard_pb2.Hello(cluster_id="c2")))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
