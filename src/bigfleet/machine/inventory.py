@@ -1,0 +1,241 @@
+"""`Inventory`: every machine a shard knows, indexed by id, state, cluster and labels.
+
+The only writer of machine records; every write checks the structural invariant and (for
+transitions) the state machine, so a bad write cannot leave a machine in two places or lose one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, ValuesView
+from typing import Any
+
+from bigfleet.machine.labels import Labels
+from bigfleet.machine.record import Machine
+from bigfleet.machine.state import ALL_STATES, MachineState, check_transition
+from bigfleet.machine.validate import check_invariant
+
+
+class UnknownMachine(KeyError):
+    """No machine with that id is in the inventory."""
+
+
+class DuplicateMachine(ValueError):
+    """`Inventory.add` of an id that is already present."""
+
+
+class Inventory:
+    """Machines by id plus indexes by state, by cluster and by (shared) label set.
+
+    Index views returned by `by_state` / `by_cluster` are live read-only views; copy them before
+    mutating the inventory while iterating.
+    """
+
+    __slots__ = ("_by_cluster", "_by_labels", "_by_state", "_generation", "_machines")
+
+    def __init__(self, machines: Iterable[Machine] = ()) -> None:
+        self._machines: dict[str, Machine] = {}
+        self._by_state: dict[MachineState, dict[str, Machine]] = {s: {} for s in MachineState}
+        self._by_cluster: dict[str, dict[str, Machine]] = {}
+        self._by_labels: dict[Labels, dict[str, Machine]] = {}
+        self._generation = 0
+        for m in machines:
+            self.add(m)
+
+    # --- writes -------------------------------------------------------------------------------
+
+    def add(self, m: Machine) -> Machine:
+        """Insert a new machine (invariant checked); `DuplicateMachine` if the id exists."""
+        if m.id in self._machines:
+            raise DuplicateMachine(f"machine {m.id!r} already in inventory")
+        check_invariant(m)
+        self._index(m)
+        self._generation += 1
+        return m
+
+    def upsert(self, m: Machine, now_unix_nanos: int | None = None, *, check_state: bool = False) -> Machine:
+        """Insert or replace `m` (the provider's view wins); returns the stored record.
+
+        The invariant is always checked; the transition only when `check_state` is set (reconcile may
+        legitimately observe jumps an asynchronous provider made unseen). Staying in the same state
+        keeps the original ``state_since_unix_nanos``; entering a state stamps `now_unix_nanos`
+        unless the record carries its own stamp.
+        """
+        check_invariant(m)
+        old = self._machines.get(m.id)
+        if old is not None:
+            if old.state is m.state:
+                if m.state_since_unix_nanos != old.state_since_unix_nanos:
+                    m = m.replace(state_since_unix_nanos=old.state_since_unix_nanos)
+            else:
+                if check_state:
+                    check_transition(old.state, m.state, m.id)
+                if now_unix_nanos is not None and not m.state_since_unix_nanos:
+                    m = m.replace(state_since_unix_nanos=now_unix_nanos)
+            if old == m:
+                return old
+            self._unindex(old)
+        elif now_unix_nanos is not None and not m.state_since_unix_nanos:
+            m = m.replace(state_since_unix_nanos=now_unix_nanos)
+        self._index(m)
+        self._generation += 1
+        return m
+
+    def apply(self, m: Machine, now_unix_nanos: int | None = None) -> Machine:
+        """`upsert` with the transition check (for the shard's own lifecycle walks)."""
+        return self.upsert(m, now_unix_nanos, check_state=True)
+
+    def transition(self, machine_id: str, new_state: MachineState, now_unix_nanos: int, **changes: Any) -> Machine:
+        """Move a machine to `new_state` (validated against `TRANSITIONS`), applying `changes`.
+
+        `changes` are `Machine.replace` keywords (``cluster=...``, ``assigned_priority=...``). Raises
+        `UnknownMachine`, `IllegalTransition` or `ValidationError`; on error nothing changes.
+        """
+        old = self._machines.get(machine_id)
+        if old is None:
+            raise UnknownMachine(machine_id)
+        check_transition(old.state, new_state, machine_id)
+        new = old.replace(state=new_state, state_since_unix_nanos=now_unix_nanos, **changes)
+        check_invariant(new)
+        self._unindex(old)
+        self._index(new)
+        self._generation += 1
+        return new
+
+    def update(self, machine_id: str, **changes: Any) -> Machine:
+        """Change fields without a state change (a merge); the invariant is still checked."""
+        old = self._machines.get(machine_id)
+        if old is None:
+            raise UnknownMachine(machine_id)
+        if "state" in changes and changes["state"] is not old.state:
+            raise ValueError("use transition() to change state")
+        new = old.replace(**changes)
+        check_invariant(new)
+        self._unindex(old)
+        self._index(new)
+        self._generation += 1
+        return new
+
+    def remove(self, machine_id: str) -> Machine | None:
+        """Forget a machine; returns it, or None if it was not present."""
+        old = self._machines.get(machine_id)
+        if old is None:
+            return None
+        self._unindex(old)
+        self._generation += 1
+        return old
+
+    def _index(self, m: Machine) -> None:
+        mid = m.id
+        self._machines[mid] = m
+        self._by_state[m.state][mid] = m
+        if m.cluster:
+            c = self._by_cluster.get(m.cluster)
+            if c is None:
+                c = self._by_cluster[m.cluster] = {}
+            c[mid] = m
+        ml = m.shape.match_labels
+        bucket = self._by_labels.get(ml)
+        if bucket is None:
+            bucket = self._by_labels[ml] = {}
+        bucket[mid] = m
+
+    def _unindex(self, m: Machine) -> None:
+        mid = m.id
+        del self._machines[mid]
+        del self._by_state[m.state][mid]
+        if m.cluster:
+            c = self._by_cluster[m.cluster]
+            del c[mid]
+            if not c:
+                del self._by_cluster[m.cluster]
+        ml = m.shape.match_labels
+        bucket = self._by_labels[ml]
+        del bucket[mid]
+        if not bucket:
+            del self._by_labels[ml]
+
+    # --- reads --------------------------------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        """Increments on every change (for incremental consumers and cache invalidation)."""
+        return self._generation
+
+    def get(self, machine_id: str) -> Machine | None:
+        return self._machines.get(machine_id)
+
+    def __getitem__(self, machine_id: str) -> Machine:
+        try:
+            return self._machines[machine_id]
+        except KeyError:
+            raise UnknownMachine(machine_id) from None
+
+    def __contains__(self, machine_id: object) -> bool:
+        return machine_id in self._machines
+
+    def __len__(self) -> int:
+        return len(self._machines)
+
+    def __iter__(self) -> Iterator[Machine]:
+        return iter(self._machines.values())
+
+    def machines(self) -> ValuesView[Machine]:
+        return self._machines.values()
+
+    def ids(self) -> list[str]:
+        """Every id, sorted."""
+        return sorted(self._machines)
+
+    def by_state(self, state: MachineState) -> ValuesView[Machine]:
+        """Machines in `state` (live view, insertion order; sort by id if order matters)."""
+        return self._by_state[state].values()
+
+    def by_cluster(self, cluster_id: str, state: MachineState | None = None) -> list[Machine]:
+        """Machines bound to `cluster_id` (optionally only those in `state`)."""
+        c = self._by_cluster.get(cluster_id)
+        if not c:
+            return []
+        if state is None:
+            return list(c.values())
+        return [m for m in c.values() if m.state is state]
+
+    def by_label(self, key: str, value: str | None = None) -> list[Machine]:
+        """Machines whose match labels (labels + instance type + zone) have `key` (= `value` if given)."""
+        out: list[Machine] = []
+        for labels, bucket in self._by_labels.items():
+            v = labels.get(key)
+            if v is not None and (value is None or v == value):
+                out.extend(bucket.values())
+        return out
+
+    def label_sets(self) -> list[tuple[Labels, int]]:
+        """Each distinct match-label set with how many machines carry it."""
+        return [(lab, len(b)) for lab, b in self._by_labels.items()]
+
+    def clusters(self) -> list[str]:
+        return sorted(self._by_cluster)
+
+    def counts(self) -> dict[MachineState, int]:
+        """Machines per state (every real state present, zeros included)."""
+        return {s: len(self._by_state[s]) for s in ALL_STATES}
+
+    def count(self, state: MachineState) -> int:
+        return len(self._by_state[state])
+
+    def count_by_cluster_state(self) -> dict[tuple[str, MachineState], int]:
+        out: dict[tuple[str, MachineState], int] = {}
+        for cid, c in self._by_cluster.items():
+            for m in c.values():
+                k = (cid, m.state)
+                out[k] = out.get(k, 0) + 1
+        return out
+
+    def copy(self) -> Inventory:
+        """An independent inventory holding the same (immutable) records: a cheap per-cycle snapshot."""
+        inv = Inventory()
+        inv._machines = dict(self._machines)
+        inv._by_state = {s: dict(d) for s, d in self._by_state.items()}
+        inv._by_cluster = {c: dict(d) for c, d in self._by_cluster.items()}
+        inv._by_labels = {k: dict(d) for k, d in self._by_labels.items()}
+        inv._generation = self._generation
+        return inv
