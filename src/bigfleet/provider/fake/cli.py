@@ -1,0 +1,82 @@
+"""`bigfleet fake-provider`: the provider kit over the simulated cloud, as a daemon."""
+
+from __future__ import annotations
+
+import argparse
+
+from bigfleet.provider.fake.backend import Dwell, FaultPlan, FaultRule, SimulatedCloud
+from bigfleet.provider.fake.catalog import build_catalog
+from bigfleet.provider.kit.model import Kind
+from bigfleet.provider.kit.runner import add_common_args, run
+
+
+def _label(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def _kinds(text: str) -> frozenset[Kind]:
+    try:
+        return frozenset(Kind(k.strip()) for k in text.split(",") if k.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"kinds are create,configure,drain,delete: {exc}") from exc
+
+
+def _nonneg(text: str) -> float:
+    v = float(text)
+    if not v >= 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return v
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bigfleet fake-provider", description=__doc__)
+    add_common_args(p)
+    p.add_argument("--seed-count", type=int, default=64, help="SPECULATIVE slots on first boot (default 64)")
+    p.add_argument("--committed-count", type=int, default=0,
+                   help="IDLE committed hosts (bare metal, reserved) on first boot (default 0)")
+    p.add_argument("--provider-name", default="fake", help="prefix of HostRef.provider")
+    p.add_argument("--create-delay", type=_nonneg, default=0.0, help="seconds a Create takes (0 = instant)")
+    p.add_argument("--configure-delay", type=_nonneg, default=0.0)
+    p.add_argument("--drain-delay", type=_nonneg, default=0.0)
+    p.add_argument("--delete-delay", type=_nonneg, default=0.0)
+    p.add_argument("--fail-cluster", action="append", default=[], metavar="CLUSTER",
+                   help="fail transitions of machines bound for / to this cluster")
+    p.add_argument("--hang-cluster", action="append", default=[], metavar="CLUSTER")
+    p.add_argument("--fail-label", action="append", default=[], type=_label, metavar="KEY=VALUE")
+    p.add_argument("--hang-label", action="append", default=[], type=_label, metavar="KEY=VALUE")
+    p.add_argument("--fault-kinds", type=_kinds, default=frozenset(Kind),
+                   help="kinds the fail/hang rules and --fail-rate apply to (default all)")
+    p.add_argument("--fail-rate", type=float, default=0.0, help="probability in [0,1] a transition fails")
+    p.add_argument("--fault-seed", type=int, default=0)
+    p.add_argument("--list-seed", type=int, default=None, help="seed List's order randomisation")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    if args.seed_count < 0 or args.committed_count < 0:
+        raise SystemExit("counts must be >= 0")
+    rules: list[FaultRule] = []
+    for c in args.fail_cluster:
+        rules.append(FaultRule("fail", cluster=c, kinds=args.fault_kinds))
+    for c in args.hang_cluster:
+        rules.append(FaultRule("hang", cluster=c, kinds=args.fault_kinds))
+    for kv in args.fail_label:
+        rules.append(FaultRule("fail", label=kv, kinds=args.fault_kinds))
+    for kv in args.hang_label:
+        rules.append(FaultRule("hang", label=kv, kinds=args.fault_kinds))
+    try:
+        faults = FaultPlan(rules, args.fail_rate, args.fault_kinds, args.fault_seed)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    catalog = build_catalog(args.seed_count, args.committed_count, args.provider_name)
+    backend = SimulatedCloud(
+        catalog, args.provider_name,
+        Dwell(args.create_delay, args.configure_delay, args.drain_delay, args.delete_delay), faults,
+    )
+    from bigfleet.provider.kit.server import KitOptions
+
+    return run(backend, args, KitOptions(list_seed=args.list_seed), component="fake-provider")

@@ -1,0 +1,284 @@
+"""The kit's data model: machine records, backend instances, fencing tokens, validation.
+
+Records are plain dataclasses (not protobuf messages) so the pure core can be
+driven and compared in tests without a wire in sight; conversion to and from
+``provider_pb2.Machine`` lives here too, with a per-record cache of the
+serialized bytes because List of a large fleet is dominated by encoding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import IntEnum, StrEnum
+
+import grpc
+
+from bigfleet.v1alpha1 import provider_pb2
+
+
+class State(IntEnum):
+    UNSPECIFIED = 0
+    SPECULATIVE = 1
+    CREATING = 2
+    IDLE = 3
+    CONFIGURING = 4
+    CONFIGURED = 5
+    DRAINING = 6
+    DELETING = 7
+    FAILED = 8
+
+
+class CapacityType(IntEnum):
+    UNSPECIFIED = 0
+    BARE_METAL = 1
+    RESERVED = 2
+    ON_DEMAND = 3
+    SPOT = 4
+
+
+STABLE = frozenset({State.SPECULATIVE, State.IDLE, State.CONFIGURED})
+TRANSITIONAL = frozenset({State.CREATING, State.CONFIGURING, State.DRAINING, State.DELETING})
+
+
+class Kind(StrEnum):
+    """A lifecycle operation; idempotency is keyed on (machine, kind)."""
+
+    CREATE = "create"
+    CONFIGURE = "configure"
+    DRAIN = "drain"
+    DELETE = "delete"
+
+    @property
+    def source(self) -> State:
+        return _EDGES[self][0]
+
+    @property
+    def transitional(self) -> State:
+        return _EDGES[self][1]
+
+    @property
+    def target(self) -> State:
+        return _EDGES[self][2]
+
+
+_EDGES: dict[Kind, tuple[State, State, State]] = {
+    Kind.CREATE: (State.SPECULATIVE, State.CREATING, State.IDLE),
+    Kind.CONFIGURE: (State.IDLE, State.CONFIGURING, State.CONFIGURED),
+    Kind.DRAIN: (State.CONFIGURED, State.DRAINING, State.IDLE),
+    Kind.DELETE: (State.IDLE, State.DELETING, State.SPECULATIVE),
+}
+
+# Identity facts live in top-level fields; duplicating them as labels lets the
+# two drift, so the kit refuses records that do it.
+FORBIDDEN_LABEL_KEYS = frozenset({
+    "instance-type", "instance_type", "instanceType", "zone", "availability-zone",
+    "availability_zone", "capacity-type", "capacity_type", "capacityType",
+})
+
+
+class KitError(Exception):
+    """An RPC rejection: carries the gRPC status code the contract names."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class InvalidRecord(ValueError):
+    """A backend record that breaks the contract (bad price, missing id, ...)."""
+
+
+@dataclass(frozen=True)
+class Fence:
+    """The (shard_id, shard_epoch, sequence_number) a mutating RPC carries."""
+
+    shard_id: str = ""
+    epoch: int = 0
+    sequence: int = 0
+
+    @property
+    def is_zero(self) -> bool:
+        return self.shard_id == "" and self.epoch == 0 and self.sequence == 0
+
+
+@dataclass
+class HostRef:
+    provider: str = ""
+    ref: str = ""
+
+    @property
+    def empty(self) -> bool:
+        return not self.provider and not self.ref
+
+
+@dataclass
+class Instance:
+    """What a backend reports about one machine: substrate truth only (no binding)."""
+
+    id: str
+    instance_type: str
+    zone: str
+    capacity_type: CapacityType
+    price_per_hour: float = 0.0
+    interruption_probability: float = 0.0
+    resources: dict[str, str] = field(default_factory=dict)
+    allocatable: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    host: HostRef | None = None
+    # Only SPECULATIVE (a quota slot) or IDLE (an existing host); None = infer from host.
+    state: State | None = None
+
+
+@dataclass
+class MachineRecord:
+    """The kit's full view of one machine (substrate truth + binding + bookkeeping).
+
+    Map fields are replaced, never mutated in place, so a snapshot being
+    written by a store thread never sees a map change under it.
+    """
+
+    id: str
+    state: State
+    instance_type: str
+    zone: str
+    capacity_type: CapacityType
+    price_per_hour: float = 0.0
+    interruption_probability: float = 0.0
+    resources: dict[str, str] = field(default_factory=dict)
+    allocatable: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    host: HostRef = field(default_factory=HostRef)
+    cluster: str = ""
+    shard_metadata: dict[str, str] = field(default_factory=dict)
+    last_error: str = ""
+    # Operation id of the transition in flight (late completions of older ones are dropped).
+    op_id: str = ""
+    # Revision at which the record last changed; drives incremental List.
+    modified: int = 0
+    _wire: bytes | None = field(default=None, repr=False, compare=False)
+
+    def touch(self, rev: int) -> None:
+        self.modified = rev
+        self._wire = None
+
+    def copy(self) -> MachineRecord:
+        return MachineRecord(
+            id=self.id, state=self.state, instance_type=self.instance_type, zone=self.zone,
+            capacity_type=self.capacity_type, price_per_hour=self.price_per_hour,
+            interruption_probability=self.interruption_probability, resources=dict(self.resources),
+            allocatable=dict(self.allocatable), labels=dict(self.labels),
+            host=HostRef(self.host.provider, self.host.ref), cluster=self.cluster,
+            shard_metadata=dict(self.shard_metadata), last_error=self.last_error, op_id=self.op_id,
+            modified=self.modified,
+        )
+
+    def to_proto(self) -> provider_pb2.Machine:
+        m = provider_pb2.Machine(
+            id=self.id, state=int(self.state), instance_type=self.instance_type, zone=self.zone,  # type: ignore[arg-type]
+            capacity_type=int(self.capacity_type),  # type: ignore[arg-type]
+            price_per_hour=self.price_per_hour,
+            interruption_probability=self.interruption_probability, labels=self.labels,
+            last_error=self.last_error, cluster=self.cluster, shard_metadata=self.shard_metadata,
+        )
+        if not self.host.empty:
+            m.host.provider = self.host.provider
+            m.host.ref = self.host.ref
+        if self.resources:
+            m.resources.resources.update(self.resources)
+        if self.allocatable:
+            m.allocatable.resources.update(self.allocatable)
+        return m
+
+    def wire(self) -> bytes:
+        """Serialized ``Machine`` bytes, cached until the record changes."""
+        if self._wire is None:
+            self._wire = self.to_proto().SerializeToString(deterministic=True)
+        return self._wire
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "id": self.id, "state": self.state.name, "instance_type": self.instance_type, "zone": self.zone,
+            "capacity_type": self.capacity_type.name, "price_per_hour": self.price_per_hour,
+            "interruption_probability": self.interruption_probability, "resources": self.resources,
+            "allocatable": self.allocatable, "labels": self.labels,
+            "host": {"provider": self.host.provider, "ref": self.host.ref}, "cluster": self.cluster,
+            "shard_metadata": self.shard_metadata, "last_error": self.last_error, "op_id": self.op_id,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, object]) -> MachineRecord:
+        host = d.get("host") or {}
+        assert isinstance(host, dict)
+        return cls(
+            id=str(d["id"]), state=State[str(d["state"])], instance_type=str(d["instance_type"]),
+            zone=str(d.get("zone", "")), capacity_type=CapacityType[str(d["capacity_type"])],
+            price_per_hour=float(d.get("price_per_hour", 0.0)),  # type: ignore[arg-type]
+            interruption_probability=float(d.get("interruption_probability", 0.0)),  # type: ignore[arg-type]
+            resources=_str_map(d.get("resources")), allocatable=_str_map(d.get("allocatable")),
+            labels=_str_map(d.get("labels")), host=HostRef(str(host.get("provider", "")), str(host.get("ref", ""))),
+            cluster=str(d.get("cluster", "")), shard_metadata=_str_map(d.get("shard_metadata")),
+            last_error=str(d.get("last_error", "")), op_id=str(d.get("op_id", "")),
+        )
+
+
+def _str_map(v: object) -> dict[str, str]:
+    if not v:
+        return {}
+    if not isinstance(v, dict):
+        raise ValueError(f"expected a map, got {type(v).__name__}")
+    return {str(k): str(x) for k, x in v.items()}
+
+
+def _valid_quantity(q: str) -> bool:
+    """A loose Kubernetes quantity check: a number with an optional SI/binary suffix."""
+    import re
+
+    return bool(re.fullmatch(r"[+]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|[kMGTPE]i?|[mun])?", q))
+
+
+def validate_instance(inst: Instance, require_zone: bool = False) -> State:
+    """Check one backend record; returns its resting state (SPECULATIVE or IDLE)."""
+    if not inst.id:
+        raise InvalidRecord("instance has an empty id")
+    where = f"instance {inst.id!r}"
+    if not inst.instance_type:
+        raise InvalidRecord(f"{where}: empty instance_type")
+    if inst.capacity_type not in CapacityType or inst.capacity_type == CapacityType.UNSPECIFIED:
+        raise InvalidRecord(f"{where}: capacity_type must be set")
+    if require_zone and not inst.zone:
+        raise InvalidRecord(f"{where}: empty zone")
+    p = inst.price_per_hour
+    if not isinstance(p, (int, float)) or not math.isfinite(p) or p < 0:
+        raise InvalidRecord(f"{where}: price_per_hour must be finite and >= 0, got {p!r}")
+    q = inst.interruption_probability
+    if not isinstance(q, (int, float)) or not math.isfinite(q) or not 0.0 <= q <= 1.0:
+        raise InvalidRecord(f"{where}: interruption_probability must be in [0, 1], got {q!r}")
+    if inst.capacity_type == CapacityType.SPOT and q <= 0:
+        raise InvalidRecord(f"{where}: a SPOT machine needs interruption_probability > 0")
+    bad = FORBIDDEN_LABEL_KEYS.intersection(inst.labels)
+    if bad:
+        raise InvalidRecord(f"{where}: labels duplicate top-level fields: {sorted(bad)}")
+    for name, qty in (*inst.resources.items(), *inst.allocatable.items()):
+        if not _valid_quantity(qty):
+            raise InvalidRecord(f"{where}: resource {name}={qty!r} is not a quantity")
+    has_host = inst.host is not None and not inst.host.empty
+    state = inst.state if inst.state is not None else (State.IDLE if has_host else State.SPECULATIVE)
+    if state == State.SPECULATIVE and has_host:
+        raise InvalidRecord(f"{where}: a SPECULATIVE slot cannot have a host")
+    if state == State.IDLE and not has_host:
+        raise InvalidRecord(f"{where}: an IDLE machine needs a host")
+    if state not in (State.SPECULATIVE, State.IDLE):
+        raise InvalidRecord(f"{where}: a backend may only report SPECULATIVE or IDLE, not {state.name}")
+    return state
+
+
+def record_from_instance(inst: Instance, state: State) -> MachineRecord:
+    host = inst.host if inst.host is not None else HostRef()
+    return MachineRecord(
+        id=inst.id, state=state, instance_type=inst.instance_type, zone=inst.zone,
+        capacity_type=CapacityType(inst.capacity_type), price_per_hour=float(inst.price_per_hour),
+        interruption_probability=float(inst.interruption_probability), resources=dict(inst.resources),
+        allocatable=dict(inst.allocatable), labels=dict(inst.labels), host=HostRef(host.provider, host.ref),
+    )

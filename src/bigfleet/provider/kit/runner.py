@@ -1,0 +1,79 @@
+"""The daemon shell every kit-based provider shares: flags, signals, health, metrics.
+
+    parser = argparse.ArgumentParser(); add_common_args(parser)
+    args = parser.parse_args(argv)
+    return run(MyBackend(), args)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+from dataclasses import replace
+
+from bigfleet.observability import configure_logging, get_logger, new_registry, start_metrics_server
+from bigfleet.provider.kit.backend import Backend
+from bigfleet.provider.kit.faults import ConformanceFaults, fault_timeout, faults_enabled
+from bigfleet.provider.kit.server import KitOptions, serve
+from bigfleet.provider.kit.store import FileStore, NullStore, Store
+
+
+def add_common_args(p: argparse.ArgumentParser, default_listen: str = "127.0.0.1:9400") -> None:
+    p.add_argument("--listen", default=default_listen, help="HOST:PORT to serve gRPC on (port 0 picks one)")
+    p.add_argument("--state-file", default="", help="JSON state file; durable across restarts (empty = in memory)")
+    p.add_argument("--transition-timeout", type=float, default=None,
+                   help="seconds before any transition is declared FAILED (default: create/configure/delete "
+                        "300, drain 600)")
+    p.add_argument("--require-zone", action="store_true", help="refuse backend records without a zone")
+    p.add_argument("--metrics-listen", default="", help="HOST:PORT for /metrics (empty = off)")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-format", default="json", choices=["json", "console"])
+    p.add_argument("--conformance-faults", action="store_true",
+                   help="enable the conformance fault hooks (also BIGFLEET_CONFORMANCE_FAULTS=1)")
+
+
+def options_from_args(args: argparse.Namespace, base: KitOptions | None = None) -> KitOptions:
+    opts = base or KitOptions()
+    t = args.transition_timeout
+    if args.conformance_faults or faults_enabled():
+        t = t if t is not None else fault_timeout()
+    if t is not None:
+        if t <= 0:
+            raise SystemExit("--transition-timeout must be > 0")
+        opts = replace(opts, create_timeout=t, configure_timeout=t, drain_timeout=t, delete_timeout=t)
+    return replace(opts, require_zone=args.require_zone or opts.require_zone)
+
+
+async def serve_until_signal(
+    backend: Backend, args: argparse.Namespace, options: KitOptions | None = None, component: str = "provider"
+) -> int:
+    log = get_logger("bigfleet.provider", component=component)
+    opts = options_from_args(args, options)
+    if args.conformance_faults or faults_enabled():
+        backend = ConformanceFaults(backend, timeout=opts.configure_timeout)
+        log.warning("conformance fault hooks enabled", transition_timeout=opts.configure_timeout)
+    store: Store = FileStore(args.state_file) if args.state_file else NullStore()
+    registry = new_registry(process_metrics=True)
+    running = await serve(backend, args.listen, store, opts, registry)
+    metrics = start_metrics_server(args.metrics_listen, registry) if args.metrics_listen else None
+    log.info("provider serving", listen=args.listen, port=running.port, machines=len(running.provider.core.machines),
+             state_file=args.state_file or None, revision=running.provider.core.rev)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("provider stopping")
+    await running.stop(grace=1.0)
+    if metrics is not None:
+        metrics.stop()
+    return 0
+
+
+def run(backend: Backend, args: argparse.Namespace, options: KitOptions | None = None,
+        component: str = "provider") -> int:
+    configure_logging(args.log_level, args.log_format, component=component)
+    return asyncio.run(serve_until_signal(backend, args, options, component))
