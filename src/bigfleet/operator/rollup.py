@@ -1,0 +1,188 @@
+"""Roll-up: the cluster's CapacityRequests folded into one full-replacement ``ClusterCapacityNeeds``.
+
+Pure: the CRs (as API dicts) and the time go in, the message, the CRs to
+acknowledge and the CRs skipped (with why) come out. CRs aggregate when their
+requirements (including the ``Same`` synthesised from ``coLocation``),
+priority, strict spread, both penalty buckets and co-location group are equal;
+each contributes its pod request to ``aggregate_resources`` (sum) and to
+``min_unit`` (per-dimension max). Order of requirements, of their values and
+of spread terms carries no meaning, so it is canonicalised: the same demand
+always yields byte-identical output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError as PydanticValidationError
+
+from bigfleet.needs import ValidationError, bucket_from_dollars, format_quantity, parse_quantity
+from bigfleet.operator.crds import CORE_OPERATORS, CapacityRequest, LabelSelectorSpec
+from bigfleet.v1alpha1 import capacity_pb2
+
+OPERATOR_ENUM = {
+    "In": capacity_pb2.NodeSelectorRequirement.OPERATOR_IN,
+    "NotIn": capacity_pb2.NodeSelectorRequirement.OPERATOR_NOT_IN,
+    "Exists": capacity_pb2.NodeSelectorRequirement.OPERATOR_EXISTS,
+    "DoesNotExist": capacity_pb2.NodeSelectorRequirement.OPERATOR_DOES_NOT_EXIST,
+    "Same": capacity_pb2.NodeSelectorRequirement.OPERATOR_SAME,
+}
+OPERATOR_NAME = {v: k for k, v in OPERATOR_ENUM.items()}
+
+# (key, operator name, sorted values)
+Req = tuple[str, str, tuple[str, ...]]
+# (topology key, max skew)
+Spread = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class AggKey:
+    requirements: tuple[Req, ...]
+    priority: int
+    spread: tuple[Spread, ...]
+    interruption: int
+    reclamation: int
+    group: str
+
+
+@dataclass
+class _Agg:
+    total: dict[str, int] = field(default_factory=dict)
+    unit: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Skipped:
+    namespace: str
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Rollup:
+    message: capacity_pb2.ClusterCapacityNeeds
+    to_acknowledge: tuple[tuple[str, str], ...]  # (namespace, name) of CRs still Pending
+    skipped: tuple[Skipped, ...]
+    crs_included: int
+
+
+def canonical_selector(sel: LabelSelectorSpec | None) -> str:
+    """The group's selector text: order-free, so equal selectors always give equal groups."""
+    if sel is None:
+        return ""
+    out = "".join(f"{k}={v}," for k, v in sorted(sel.match_labels.items()))
+    out += ";"
+    exprs = sorted((e.key, e.operator, ",".join(sorted(e.values))) for e in sel.match_expressions)
+    out += "".join(f"{k} {op} {vals};" for k, op, vals in exprs)
+    return out
+
+
+def colocation_group(cr: CapacityRequest) -> str:
+    co = cr.spec.co_location
+    if co is None or not co.topology_key:
+        return ""
+    return co.topology_key + "\x00" + canonical_selector(co.label_selector)
+
+
+def penalty_bucket(q: str | None, field_name: str) -> int:
+    if q is None:
+        return capacity_pb2.PENALTY_BUCKET_UNSPECIFIED
+    milli = parse_quantity(q, field_name)
+    return int(bucket_from_dollars(milli / 1000.0, field_name))
+
+
+def map_cr(cr: CapacityRequest) -> tuple[AggKey, dict[str, int]]:
+    """One CR → its aggregation key and its pod request in milli-units; raises ValidationError."""
+    reqs: set[Req] = set()
+    for i, r in enumerate(cr.spec.requirements):
+        if r.operator not in CORE_OPERATORS:
+            raise ValidationError(f"spec.requirements[{i}].operator", f"unsupported operator {r.operator!r}")
+        if r.operator in ("In", "NotIn") and not r.values:
+            raise ValidationError(f"spec.requirements[{i}].values", f"{r.operator} needs at least one value")
+        vals = tuple(sorted(set(r.values))) if r.operator in ("In", "NotIn") else ()
+        reqs.add((r.key, r.operator, vals))
+    group = colocation_group(cr)
+    if group:
+        assert cr.spec.co_location is not None
+        reqs.add((cr.spec.co_location.topology_key, "Same", ()))
+    spread = tuple(sorted({(s.topology_key, s.max_skew) for s in cr.spec.topology_spread
+                           if s.when_unsatisfiable == "DoNotSchedule"}))
+    request: dict[str, int] = {}
+    for name, q in sorted(cr.spec.resources.items()):
+        milli = parse_quantity(q, f"spec.resources[{name}]")
+        if milli < 0:
+            raise ValidationError(f"spec.resources[{name}]", "negative quantity")
+        if milli:
+            request[name] = milli
+    if not request:
+        raise ValidationError("spec.resources", "the request is empty")
+    key = AggKey(
+        requirements=tuple(sorted(reqs)),
+        priority=cr.spec.priority,
+        spread=spread,
+        interruption=penalty_bucket(cr.spec.interruption_penalty, "spec.interruptionPenalty"),
+        reclamation=penalty_bucket(cr.spec.reclamation_penalty, "spec.reclamationPenalty"),
+        group=group,
+    )
+    return key, request
+
+
+def _need_proto(key: AggKey, agg: _Agg) -> capacity_pb2.CapacityNeed:
+    need = capacity_pb2.CapacityNeed(
+        priority=key.priority,
+        interruption_penalty_bucket=key.interruption,  # type: ignore[arg-type]
+        reclamation_penalty_bucket=key.reclamation,  # type: ignore[arg-type]
+        group=key.group,
+    )
+    for k, op, vals in key.requirements:
+        need.requirements.add(key=k, operator=OPERATOR_ENUM[op], values=list(vals))
+    for tk, skew in key.spread:
+        need.spread.add(topology_key=tk, max_skew=skew,
+                        when_unsatisfiable=capacity_pb2.TopologySpread.WHEN_UNSATISFIABLE_DO_NOT_SCHEDULE)
+    for name, milli in sorted(agg.total.items()):
+        need.aggregate_resources[name] = format_quantity(milli)
+    for name, milli in sorted(agg.unit.items()):
+        need.min_unit[name] = format_quantity(milli)
+    return need
+
+
+def build_rollup(cluster_id: str, crs: Iterable[Mapping[str, Any]], now_unix_nanos: int) -> Rollup:
+    """Fold CR objects into the cluster's full demand. Invalid CRs are skipped, never fatal."""
+    aggs: dict[AggKey, _Agg] = {}
+    ack: list[tuple[str, str]] = []
+    skipped: list[Skipped] = []
+    included = 0
+    for obj in crs:
+        meta = obj.get("metadata") or {}
+        ns, name = str(meta.get("namespace", "")), str(meta.get("name", ""))
+        if meta.get("deletionTimestamp"):
+            continue  # being deleted: already withdrawn
+        try:
+            cr = CapacityRequest.from_obj(dict(obj))
+            key, request = map_cr(cr)
+        except ValidationError as exc:
+            skipped.append(Skipped(ns, name, str(exc)))
+            continue
+        except PydanticValidationError as exc:
+            skipped.append(Skipped(ns, name, f"invalid CapacityRequest: {exc.errors()[0].get('msg', exc)}"))
+            continue
+        agg = aggs.setdefault(key, _Agg())
+        for res, milli in request.items():
+            agg.total[res] = agg.total.get(res, 0) + milli
+            agg.unit[res] = max(agg.unit.get(res, 0), milli)
+        included += 1
+        if cr.status.phase in ("", "Pending"):
+            ack.append((ns, name))
+    msg = capacity_pb2.ClusterCapacityNeeds(cluster_id=cluster_id, timestamp_unix_nanos=now_unix_nanos)
+    for key in sorted(aggs, key=lambda k: (-k.priority, repr(k))):
+        msg.needs.append(_need_proto(key, aggs[key]))
+    return Rollup(msg, tuple(sorted(ack)), tuple(skipped), included)
+
+
+def demand_fingerprint(msg: capacity_pb2.ClusterCapacityNeeds) -> bytes:
+    """The roll-up's content without its timestamp: equal bytes mean "nothing changed"."""
+    body = capacity_pb2.ClusterCapacityNeeds(cluster_id=msg.cluster_id)
+    body.needs.extend(msg.needs)
+    return body.SerializeToString(deterministic=True)
