@@ -1,0 +1,198 @@
+"""The engine's internal view of the inventory: machines grouped into interchangeable classes.
+
+Half a million machines come in a few hundred shapes. Machines sharing a `MachineShape` (labels,
+instance type, zone, resources, allocatable, price, interruption probability, capacity type) are
+interchangeable for every requirement, MinUnit and cost test the engine makes; they differ only in
+id, stamped penalties and bindings. So the engine matches *classes* against needs (cached per
+requirement set) and walks per-class lists pre-sorted by the per-machine tie-breaks, with cursors
+that only move forward within a cycle. Phase-1 work is proportional to classes × needs-with-deficit
+plus the machines actually claimed, not to the inventory size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from bigfleet.machine.record import Machine, MachineShape
+from bigfleet.machine.state import CapacityType, MachineState
+from bigfleet.needs import Requirement, Resources
+
+S = MachineState
+IDLE = int(S.IDLE)
+SPEC = int(S.SPECULATIVE)
+CONFIGURED = int(S.CONFIGURED)
+CONFIGURING = int(S.CONFIGURING)
+
+
+def m_reclamation(m: Machine) -> float:
+    v = m.assignment.reclamation_penalty_dollars
+    return 0.0 if v != v or v < 0 else v  # NaN-safe
+
+
+def m_interruption(m: Machine) -> float:
+    v = m.assignment.interruption_penalty_dollars
+    return 0.0 if v != v or v < 0 else v
+
+
+class MClass:
+    """A set of interchangeable machines: one per distinct `MachineShape`."""
+
+    __slots__ = ("alloc", "attrs", "capacity_type", "idx", "price", "prob", "shape", "sort_key")
+
+    def __init__(self, idx: int, shape: MachineShape) -> None:
+        self.idx = idx
+        self.shape = shape
+        self.attrs: Mapping[str, str] = shape.match_labels
+        self.alloc: Resources = shape.allocatable if shape.allocatable else shape.resources
+        self.price = float(shape.price_per_hour)
+        self.prob = float(shape.interruption_probability)
+        self.capacity_type = CapacityType(shape.capacity_type)
+        self.sort_key = (
+            shape.match_labels.pairs(),
+            self.alloc.items(),
+            self.price,
+            self.prob,
+            int(self.capacity_type),
+            shape.instance_type,
+            shape.zone,
+            shape.resources.items(),
+        )
+
+    def eff_cost(self, penalty_dollars: float) -> float:
+        """price + p × penalty; 0 × ∞ is 0, so a pinned penalty never yields NaN."""
+        if self.prob <= 0.0 or not penalty_dollars > 0.0:
+            return self.price
+        if math.isinf(penalty_dollars):
+            return math.inf
+        return self.price + self.prob * penalty_dollars
+
+
+@dataclass
+class Index:
+    """Per-cycle machine index."""
+
+    classes: list[MClass] = field(default_factory=list)
+    #: (state, class idx) → IDLE/SPECULATIVE machines, sorted (reclamation asc, id asc)
+    pool: dict[tuple[int, int], list[Machine]] = field(default_factory=dict)
+    #: cluster → state → class idx → CONFIGURED/CONFIGURING machines, keep-first (reclamation desc, id)
+    bound: dict[str, dict[int, dict[int, list[Machine]]]] = field(default_factory=dict)
+    #: need fingerprint → CREATING machines launched for that need, id order
+    creating: dict[str, list[Machine]] = field(default_factory=dict)
+    #: need fingerprint → IDLE machines still carrying a Create-time reservation, id order
+    reserved_idle: dict[str, list[Machine]] = field(default_factory=dict)
+    #: machine id → cluster it was reserved for (Machine.cluster, else the caller's reservations)
+    reserved_for: dict[str, str] = field(default_factory=dict)
+    #: class idx → CONFIGURED machines of every cluster (Phase-2 victim candidates), id order
+    configured_by_class: dict[int, list[Machine]] = field(default_factory=dict)
+    configured_count: dict[str, int] = field(default_factory=dict)
+    #: capacity type → IDLE machines (release candidates)
+    idle_by_type: dict[int, list[Machine]] = field(default_factory=dict)
+    class_of_shape: dict[MachineShape, int] = field(default_factory=dict)
+    total: int = 0
+    _matched: dict[tuple[Requirement, ...], list[MClass]] = field(default_factory=dict)
+
+    def matched_classes(self, reqs: tuple[Requirement, ...]) -> list[MClass]:
+        """Classes whose attributes pass every requirement (cached per requirement tuple)."""
+        got = self._matched.get(reqs)
+        if got is None:
+            got = [c for c in self.classes if all(r.matches(c.attrs) for r in reqs)]
+            self._matched[reqs] = got
+        return got
+
+    def cls(self, m: Machine) -> MClass:
+        return self.classes[self.class_of_shape[m.shape]]
+
+
+def build_index(machines: Iterable[Machine], reservations: Mapping[str, str] | None = None) -> Index:
+    """One pass over the machines; classes get a canonical order so results never depend on
+    inventory iteration order.
+
+    `reservations` (machine id → cluster) names the cluster an in-flight Create was made for; the
+    core invariant keeps CREATING and IDLE records cluster-less, so without it a reservation is
+    known only by its need fingerprint.
+    """
+    ix = Index()
+    res = reservations or {}
+    shapes: dict[MachineShape, list[Machine]] = {}
+    n = 0
+    for m in machines:
+        n += 1
+        lst = shapes.get(m.shape)
+        if lst is None:
+            shapes[m.shape] = [m]
+        else:
+            lst.append(m)
+    ix.total = n
+    classes = sorted((MClass(0, sh) for sh in shapes), key=lambda c: c.sort_key)
+    for i, c in enumerate(classes):
+        c.idx = i
+        ix.class_of_shape[c.shape] = i
+    ix.classes = classes
+    pool = ix.pool
+    bound = ix.bound
+    for c in classes:
+        ci = c.idx
+        ctype = int(c.capacity_type)
+        for m in shapes[c.shape]:
+            st = m.state
+            if st is S.IDLE:
+                fp = m.assignment.need_fingerprint
+                if fp:
+                    ix.reserved_idle.setdefault(fp, []).append(m)
+                    ix.reserved_for[m.id] = m.cluster or res.get(m.id, "")
+                lst = pool.get((IDLE, ci))
+                if lst is None:
+                    pool[(IDLE, ci)] = [m]
+                else:
+                    lst.append(m)
+                ix.idle_by_type.setdefault(ctype, []).append(m)
+            elif st is S.SPECULATIVE:
+                lst = pool.get((SPEC, ci))
+                if lst is None:
+                    pool[(SPEC, ci)] = [m]
+                else:
+                    lst.append(m)
+            elif st is S.CONFIGURED or st is S.CONFIGURING:
+                cluster = m.cluster
+                if cluster:
+                    bound.setdefault(cluster, {}).setdefault(int(st), {}).setdefault(ci, []).append(m)
+                if st is S.CONFIGURED:
+                    ix.configured_by_class.setdefault(ci, []).append(m)
+                    if cluster:
+                        ix.configured_count[cluster] = ix.configured_count.get(cluster, 0) + 1
+            elif st is S.CREATING:
+                fp = m.assignment.need_fingerprint
+                if fp:
+                    ix.creating.setdefault(fp, []).append(m)
+                    ix.reserved_for[m.id] = m.cluster or res.get(m.id, "")
+    for lst in pool.values():
+        lst.sort(key=pool_key)
+    for by_state in bound.values():
+        for by_class in by_state.values():
+            for lst in by_class.values():
+                lst.sort(key=keep_key)
+    for lst in ix.creating.values():
+        lst.sort(key=id_key)
+    for lst in ix.reserved_idle.values():
+        lst.sort(key=id_key)
+    for lst in ix.configured_by_class.values():
+        lst.sort(key=id_key)
+    for lst in ix.idle_by_type.values():
+        lst.sort(key=id_key)
+    return ix
+
+
+def pool_key(m: Machine) -> tuple[float, str]:
+    """Within one class: lower reclamation penalty first, then id."""
+    return (m_reclamation(m), m.id)
+
+
+def keep_key(m: Machine) -> tuple[float, str]:
+    """Within one class of bound machines: keep the higher reclamation penalty first, then id."""
+    return (-m_reclamation(m), m.id)
+
+
+def id_key(m: Machine) -> str:
+    return m.id
