@@ -1,0 +1,213 @@
+"""Bounded-load rendezvous (highest-random-weight) hashing over shards.
+
+Why rendezvous: removing a shard moves only that shard's clusters, and adding
+one moves only the clusters whose highest score is the newcomer (≈ 1/N).
+Why a load bound: with few clusters, or hot spots, plain HRW can overload one
+shard; a cluster skips a shard that is at the cap and takes its next choice
+(Mirrokni et al.'s bounded loads applied to HRW ranks).
+
+Hashes use blake2b, never Python's ``hash()`` (salted per process), so every
+replica, the CLI and the tests rank identically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+DEFAULT_LOAD_FACTOR = 1.25
+
+
+def score(key: str, shard: str) -> int:
+    """The 64-bit rendezvous weight of ``shard`` for ``key``."""
+    h = hashlib.blake2b(key.encode() + b"\x00" + shard.encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "big")
+
+
+def rank(key: str, shards: Iterable[str]) -> list[str]:
+    """Shards from most to least preferred for ``key`` (ties broken by shard id)."""
+    return sorted(set(shards), key=lambda s: (-score(key, s), s))
+
+
+def preferred(key: str, shards: Iterable[str]) -> str | None:
+    """The unbounded HRW owner of ``key``, or None without shards."""
+    best: tuple[int, str] | None = None
+    for s in shards:
+        cand = (score(key, s), s)
+        if best is None or cand[0] > best[0] or (cand[0] == best[0] and cand[1] < best[1]):
+            best = cand
+    return None if best is None else best[1]
+
+
+def capacity(total: int, shards: int, load_factor: float = DEFAULT_LOAD_FACTOR) -> int:
+    """Per-shard cap for ``total`` clusters: max(⌈K/N⌉, ⌊c·K/N⌋).
+
+    The floor keeps max/mean ≤ c exactly; the ceiling keeps the sum of caps
+    ≥ K so a place always exists.
+    """
+    if shards <= 0:
+        return 0
+    if load_factor < 1.0:
+        raise ValueError("load factor must be >= 1")
+    return max(math.ceil(total / shards), math.floor(load_factor * total / shards))
+
+
+def loads(bindings: Mapping[str, str], shards: Iterable[str]) -> dict[str, int]:
+    """Clusters per shard, counting only ``shards`` (each listed even at zero)."""
+    out = dict.fromkeys(shards, 0)
+    for shard in bindings.values():
+        if shard in out:
+            out[shard] += 1
+    return out
+
+
+def place(
+    key: str,
+    live: Sequence[str],
+    current_loads: Mapping[str, int],
+    load_factor: float = DEFAULT_LOAD_FACTOR,
+) -> str | None:
+    """Where a new cluster goes: its highest-ranked live shard below the cap.
+
+    The cap counts the newcomer: cap(K + 1). None when no shard is live.
+    """
+    if not live:
+        return None
+    total = sum(current_loads.get(s, 0) for s in live) + 1
+    cap = capacity(total, len(live), load_factor)
+    for s in rank(key, live):
+        if current_loads.get(s, 0) < cap:
+            return s
+    # Unreachable while caps sum to at least the total; keep a defined answer.
+    return rank(key, live)[0]
+
+
+@dataclass(frozen=True)
+class Move:
+    cluster_id: str
+    from_shard: str
+    to_shard: str
+
+
+@dataclass
+class RebalancePlan:
+    moves: list[Move]
+    total_clusters: int
+    live_shards: list[str]
+    cap: int
+    load_before: dict[str, int]
+    load_after: dict[str, int]
+    stranded: list[str] = field(default_factory=list)
+
+    @property
+    def plan_id(self) -> str:
+        """A digest of the moves, so an apply can insist on the plan an admin reviewed."""
+        h = hashlib.sha256()
+        for m in sorted(self.moves, key=lambda m: m.cluster_id):
+            h.update(f"{m.cluster_id}\x00{m.from_shard}\x00{m.to_shard}\n".encode())
+        return h.hexdigest()[:16]
+
+
+def plan_rebalance(
+    bindings: Mapping[str, str],
+    live: Iterable[str],
+    load_factor: float = DEFAULT_LOAD_FACTOR,
+    max_moves: int = 0,
+    frozen: Iterable[str] = (),
+) -> RebalancePlan:
+    """Which clusters to move so placement converges on bounded-load HRW.
+
+    1. Shed: a live shard above the cap gives up clusters (those it ranks
+       lowest first) to their best-ranked live shard with room.
+    2. Converge: a cluster whose HRW-preferred live shard is not its current
+       one moves there if that shard is below the cap.
+    Clusters bound to shards that are not live are *stranded*: they stay put
+    (their shard cannot release them); removing the shard re-places them.
+    ``frozen`` clusters (handoff in flight) are counted but never moved.
+    The plan is a fixed point: planning again after applying it moves nothing.
+    """
+    live_list = sorted(set(live))
+    frozen_set = set(frozen)
+    live_set = set(live_list)
+    on_live = {c: s for c, s in bindings.items() if s in live_set}
+    stranded = sorted(c for c, s in bindings.items() if s not in live_set)
+    before = loads(on_live, live_list)
+    after = dict(before)
+    cap = capacity(len(on_live), len(live_list), load_factor)
+    current = dict(on_live)
+    moves: dict[str, Move] = {}
+
+    def move(cluster: str, to: str) -> None:
+        frm = on_live[cluster]
+        after[current[cluster]] -= 1
+        after[to] += 1
+        current[cluster] = to
+        if to == frm:
+            moves.pop(cluster, None)
+        else:
+            moves[cluster] = Move(cluster, frm, to)
+
+    # 1. Shed from over-cap shards.
+    by_shard: dict[str, list[str]] = {s: [] for s in live_list}
+    for c, s in sorted(on_live.items()):
+        by_shard[s].append(c)
+    for s in live_list:
+        excess = after[s] - cap
+        if excess <= 0:
+            continue
+        candidates = [c for c in by_shard[s] if c not in frozen_set]
+        candidates.sort(key=lambda c: (score(c, s), c))
+        for c in candidates:
+            if excess <= 0:
+                break
+            for t in rank(c, live_list):
+                if t != s and after[t] < cap:
+                    move(c, t)
+                    excess -= 1
+                    break
+
+    # 2. Converge on the HRW preference where the preferred shard has room.
+    pending: list[tuple[str, str]] = []
+    for c in sorted(current):
+        if c in frozen_set:
+            continue
+        top = preferred(c, live_list)
+        if top is not None and top != current[c]:
+            pending.append((c, top))
+    for c, top in pending:
+        if after[top] < cap:
+            move(c, top)
+
+    out = sorted(moves.values(), key=lambda m: m.cluster_id)
+    if max_moves > 0 and len(out) > max_moves:
+        out = out[:max_moves]
+        after = dict(before)
+        for m in out:
+            after[m.from_shard] -= 1
+            after[m.to_shard] += 1
+    return RebalancePlan(
+        moves=out,
+        total_clusters=len(bindings),
+        live_shards=live_list,
+        cap=cap,
+        load_before=before,
+        load_after=after,
+        stranded=stranded,
+    )
+
+
+def max_over_mean(shard_loads: Mapping[str, int]) -> float:
+    """Balance figure used by tests and benchmarks."""
+    if not shard_loads:
+        return 0.0
+    total = sum(shard_loads.values())
+    if total == 0:
+        return 0.0
+    return max(shard_loads.values()) / (total / len(shard_loads))
+
+
+def count_by_shard(bindings: Mapping[str, str]) -> Counter[str]:
+    return Counter(bindings.values())
