@@ -128,7 +128,7 @@ class SessionClient:
         handlers: Handlers,
         metrics: OperatorMetrics,
         *,
-        request_rollup: Callable[[], Awaitable[None]],
+        request_rollup: Callable[[], Awaitable[object]],
         rollup_interval: float = 10.0,
         backoff: Backoff | None = None,
     ) -> None:
