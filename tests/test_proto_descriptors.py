@@ -531,7 +531,7 @@ def test_file_package_and_imports(fname: str) -> None:
 @pytest.mark.parametrize("fname", sorted(MODULES))
 def test_every_spec_message_exists(fname: str) -> None:
     fd = _file(fname)
-    for msg, fields in MESSAGES[fname].items():
+    for msg in MESSAGES[fname]:
         desc = fd.message_types_by_name.get(msg)
         assert desc is not None, f"{fname}.proto lacks message {msg}"
         assert desc.full_name == f"{PKG}.{msg}"
