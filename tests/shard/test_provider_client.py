@@ -32,7 +32,7 @@ class Scripted(provider_pb2_grpc.CapacityProviderServicer):
 
 @pytest.fixture
 async def scripted() -> AsyncIterator[tuple[Scripted, str]]:
-    svc = Scripted()
+    svc = Scripted()  # type: ignore[abstract]
     server, _ = new_server()
     provider_pb2_grpc.add_CapacityProviderServicer_to_server(svc, server)
     port = server.add_insecure_port("127.0.0.1:0")

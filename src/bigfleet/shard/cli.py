@@ -1,0 +1,138 @@
+"""`bigfleet shard`: run one shard process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from typing import Any
+
+from bigfleet.observability import configure_logging, get_logger, new_registry, start_metrics_server
+from bigfleet.rpc import new_server
+from bigfleet.rpc.options import NOT_SERVING, SERVING
+from bigfleet.v1alpha1 import shard_pb2_grpc, shardread_pb2_grpc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bigfleet shard", description="Run a shard: sessions, cycles, provider execution.")
+    p.add_argument("--config", help="YAML file with settings (flag names, dashes or underscores)")
+    p.add_argument("--shard-id")
+    p.add_argument("--listen", help="HOST:PORT for Shard, ShardRead and ShardAdmin")
+    p.add_argument("--provider", help="HOST:PORT of the capacity provider")
+    p.add_argument("--metrics-listen", help="HOST:PORT for /metrics (empty = off)")
+    p.add_argument("--coordinator", help="coordinator addresses HOST:PORT,...")
+    p.add_argument("--advertise", help="address operators dial (defaults to --listen)")
+    p.add_argument("--data-dir", help="holds the epoch file")
+    p.add_argument("--cycle-interval", type=float)
+    p.add_argument("--min-cycle-gap", type=float)
+    p.add_argument("--bootstrap-timeout", type=float)
+    p.add_argument("--execute-timeout", type=float)
+    p.add_argument("--execute-concurrency", type=int)
+    p.add_argument("--reconcile-interval", type=float)
+    p.add_argument("--available-capacity-interval", type=float)
+    p.add_argument("--reclaim-cap-fraction", type=float)
+    p.add_argument("--no-empty-rollup-guard", dest="empty_rollup_guard", action="store_const", const=False)
+    p.add_argument("--dry-run", action="store_const", const=True)
+    p.add_argument("--paused", action="store_const", const=True)
+    p.add_argument("--log-level")
+    p.add_argument("--log-format", choices=["json", "console"])
+    return p
+
+
+def main(argv: list[str]) -> int:
+    from bigfleet.shard.config import load_settings
+
+    args = vars(build_parser().parse_args(argv))
+    config_file = args.pop("config")
+    try:
+        settings = load_settings(config_file, args)
+    except Exception as exc:
+        print(f"bigfleet shard: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    if not settings.provider:
+        print("bigfleet shard: --provider HOST:PORT is required", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level, settings.log_format, component="shard")  # type: ignore[arg-type]
+    try:
+        return asyncio.run(serve(settings))
+    except KeyboardInterrupt:
+        return 0
+
+
+async def serve(settings: Any) -> int:
+    from bigfleet.decision.types import EngineConfig
+    from bigfleet.shard.daemon import DaemonConfig, ShardDaemon
+    from bigfleet.shard.epoch import EpochError, bump_epoch
+    from bigfleet.shard.executor import ExecutorConfig
+    from bigfleet.shard.guard import GuardConfig
+    from bigfleet.shard.metrics import ShardMetrics
+    from bigfleet.shard.readsvc import ShardAdminServicer, ShardReadServicer
+
+    log = get_logger("bigfleet.shard.cli", shard=settings.shard_id)
+    try:
+        epoch = bump_epoch(settings.data_dir)
+    except (EpochError, OSError) as exc:
+        log.error("cannot establish the shard epoch", error=str(exc))
+        return 1
+    registry = new_registry(process_metrics=True)
+    metrics = ShardMetrics(registry)
+    cfg = DaemonConfig(
+        shard_id=settings.shard_id,
+        provider=settings.provider,
+        epoch=epoch,
+        cycle_interval=settings.cycle_interval,
+        min_cycle_gap=settings.min_cycle_gap,
+        reconcile_interval=settings.reconcile_interval,
+        full_reconcile_every=settings.full_reconcile_every,
+        available_capacity_interval=settings.available_capacity_interval,
+        executor=ExecutorConfig(
+            concurrency=settings.execute_concurrency,
+            execute_timeout=settings.execute_timeout,
+            bootstrap_timeout=settings.bootstrap_timeout,
+            reclaim_ack_timeout=settings.reclaim_ack_timeout,
+        ),
+        engine=EngineConfig(
+            reclaim_cap_fraction=settings.reclaim_cap_fraction,
+            rollup_guard_enabled=settings.empty_rollup_guard,
+            paused=settings.paused,
+            dry_run=settings.dry_run,
+        ),
+        guard=GuardConfig(enabled=settings.empty_rollup_guard),
+    )
+    daemon = ShardDaemon(cfg, metrics)
+    server, health = new_server()
+    shard_pb2_grpc.add_ShardServicer_to_server(daemon.servicer, server)
+    shardread_pb2_grpc.add_ShardReadServicer_to_server(ShardReadServicer(daemon), server)
+    shardread_pb2_grpc.add_ShardAdminServicer_to_server(ShardAdminServicer(daemon), server)
+    try:
+        port = server.add_insecure_port(settings.listen)
+    except RuntimeError as exc:
+        log.error("cannot listen", listen=settings.listen, error=str(exc))
+        return 1
+    await server.start()
+    metrics_server = start_metrics_server(settings.metrics_listen, registry) if settings.metrics_listen else None
+    await health.set("", SERVING)
+    await health.set("bigfleet.v1alpha1.Shard", SERVING)
+    if settings.coordinator:
+        log.warning(
+            "coordinator reporting not wired in this build; flag accepted", coordinator=settings.coordinator
+        )
+    log.info("shard serving", listen=settings.listen, port=port, provider=settings.provider, epoch=epoch,
+             paused=settings.paused, dry_run=settings.dry_run)
+    await daemon.start()
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    await health.enter_graceful_shutdown()
+    await health.set("", NOT_SERVING)
+    await daemon.stop(drain_timeout=5.0)
+    await server.stop(grace=3.0)
+    if metrics_server:
+        metrics_server.stop()
+    log.info("stopped")
+    return 0

@@ -1,0 +1,328 @@
+"""The shard daemon: wires sessions, the demand store, reconcile, the cycle loop and the executor.
+
+The decision engine is pure; everything here is the imperative shell around
+it. One asyncio loop owns all state, so no locks: roll-ups, reconcile merges,
+executor completions and cycles interleave only at ``await`` points.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import grpc
+
+from bigfleet.decision.types import Configure, Create, Decision, Delete, Drain, EngineConfig
+from bigfleet.needs import Need, ValidationError, requirement_to_proto, rollup_from_proto
+from bigfleet.observability import get_logger
+from bigfleet.shard.availability import AvailabilityEmitter, availability_for, update_message
+from bigfleet.shard.executor import Binding, Executor, ExecutorConfig
+from bigfleet.shard.guard import EmptyRollupGuard, GuardConfig
+from bigfleet.shard.metrics import ShardMetrics
+from bigfleet.shard.provider_client import ProviderClient, ProviderError
+from bigfleet.shard.sessions import OperatorSession, RollupOutcome, SessionRegistry, SessionServicer
+from bigfleet.shard.store import LocalDemandStore
+from bigfleet.shard.view import MachineView
+from bigfleet.v1alpha1 import capacity_pb2, provider_pb2
+
+log = get_logger("bigfleet.shard")
+
+S = provider_pb2.MachineState
+
+
+@dataclass
+class DaemonConfig:
+    shard_id: str
+    provider: str
+    epoch: int
+    cycle_interval: float = 10.0
+    min_cycle_gap: float = 0.2
+    reconcile_interval: float = 1.0
+    full_reconcile_every: int = 30
+    available_capacity_interval: float = 5.0
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+
+
+@dataclass
+class CycleRecord:
+    """What ShardRead serves: the last cycle's inputs and verdicts (soft state)."""
+
+    cycle: int = 0
+    computed_at_unix_nanos: int = 0
+    needs: tuple[Need, ...] = ()
+    decision: Decision | None = None
+
+
+class ShardDaemon:
+    def __init__(self, config: DaemonConfig, metrics: ShardMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.store = LocalDemandStore()
+        self.sessions = SessionRegistry(metrics)
+        self.view = MachineView(on_node_update=self._route_node_update, on_reject=self._on_reject)
+        self.provider = ProviderClient(config.provider, config.shard_id, config.epoch, metrics)
+        self.executor = Executor(
+            self.view, self.provider, self.sessions, self.resolve_binding, config.executor, metrics,
+            on_settled=self.trigger,
+        )
+        self.guard = EmptyRollupGuard(config.guard)
+        self.availability = AvailabilityEmitter(config.available_capacity_interval)
+        self.sessions.on_removed.append(self.availability.forget_cluster)
+        self.servicer = SessionServicer(self.sessions, self.handle_rollup, self._ack_info, self._resync)
+        self.paused = config.engine.paused
+        self.dry_run = config.engine.dry_run
+        self.metrics.paused.set(1 if self.paused else 0)
+        self.coordinator_term = 0
+        self.reconciled = asyncio.Event()
+        self.last = CycleRecord()
+        self.cycles = 0
+        self._trigger = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._cursor = b""
+        self._reconciles = 0
+        self._last_reconcile = 0.0
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    # -- wiring helpers ------------------------------------------------------------------------
+
+    def _ack_info(self) -> tuple[int, int]:
+        return self.coordinator_term, self.config.epoch
+
+    def _route_node_update(self, cluster_id: str, msg: Any) -> None:
+        self.sessions.send(cluster_id, msg)
+
+    def _on_reject(self, reason: str) -> None:
+        self.metrics.machines_rejected.labels(reason).inc()
+
+    def _resync(self, session: OperatorSession) -> None:
+        from bigfleet.shard.view import node_state_update
+
+        for pb in self.view.bound_to(session.cluster_id):
+            session.send(node_state_update(pb, session.cluster_id))
+
+    def trigger(self) -> None:
+        self._trigger.set()
+
+    # -- roll-ups ------------------------------------------------------------------------------
+
+    async def handle_rollup(self, cluster_id: str, pb: capacity_pb2.ClusterCapacityNeeds) -> RollupOutcome:
+        started = time.perf_counter()
+        now = time.time_ns()
+        if not pb.cluster_id:
+            fixed = capacity_pb2.ClusterCapacityNeeds()
+            fixed.CopyFrom(pb)
+            fixed.cluster_id = cluster_id
+            pb = fixed
+        try:
+            _, needs = rollup_from_proto(pb, now)
+        except ValidationError as exc:
+            self.metrics.rollups_rejected.labels(cluster_id).inc()
+            log.warning("roll-up rejected", cluster=cluster_id, error=str(exc))
+            return RollupOutcome(False, error=str(exc))
+        self.store.mark_first_rollup(cluster_id)
+        if not self.guard.admit(cluster_id, len(needs)):
+            self.metrics.rollup_quarantined.labels(cluster_id).set(self.guard.held(cluster_id))
+            log.warning("roll-up held by the empty-roll-up guard", cluster=cluster_id, rows=len(needs),
+                        held=self.guard.held(cluster_id))
+            return RollupOutcome(False, quarantined=True)
+        self.metrics.rollup_quarantined.labels(cluster_id).set(0)
+        changed = self.store.apply_rollup(cluster_id, needs, now)
+        self.metrics.rollups.inc()
+        if changed:
+            self.trigger()
+        self.metrics.rollup_duration.observe(time.perf_counter() - started)
+        return RollupOutcome(True)
+
+    # -- bindings (what Configure needs for a need) --------------------------------------------
+
+    def resolve_binding(self, cluster_id: str, fingerprint: str, priority: int) -> Binding | None:
+        for n in self.store.table.cluster(cluster_id):
+            if n.fingerprint == fingerprint:
+                return binding_for_need(n)
+        return None
+
+    # -- reconcile -----------------------------------------------------------------------------
+
+    async def reconcile(self, full: bool = False) -> None:
+        """Merge the provider's records; a full List also forgets machines the provider erased."""
+        full = full or not self._cursor or self._reconciles % self.config.full_reconcile_every == 0
+        started = time.perf_counter()
+        lst = await self.provider.list(b"" if full else self._cursor)
+        seen: set[str] = set()
+        for pb in lst.machines:
+            seen.add(pb.id)
+            self.view.observe(pb)
+        if full:
+            for mid in self.view.ids():
+                if mid not in seen and mid not in self.view.inflight and mid not in self.view.failed_local:
+                    self.view.forget(mid)
+        self._cursor = bytes(lst.revision)
+        self._reconciles += 1
+        self._last_reconcile = time.monotonic()
+        self.metrics.phase_duration.labels("reconcile").observe(time.perf_counter() - started)
+        if not self.reconciled.is_set():
+            self.reconciled.set()
+            log.info("first reconcile done", machines=len(self.view))
+
+    # -- the cycle -----------------------------------------------------------------------------
+
+    async def run_cycle(self) -> Decision | None:
+        from bigfleet.decision import decide
+
+        cycle_started = time.perf_counter()
+        if time.monotonic() - self._last_reconcile >= self.config.reconcile_interval:
+            try:
+                await self.reconcile()
+            except ProviderError as exc:
+                log.warning("reconcile failed; deciding on the last known inventory", error=str(exc))
+        if not self.reconciled.is_set():
+            return None
+        engine_cfg = replace(self.config.engine, paused=self.paused, dry_run=self.dry_run)
+        now = time.time_ns()
+        table = self.store.table
+        snapshot = tuple(table.snapshot())
+        t0 = time.perf_counter()
+        decision = decide(snapshot, self.view, now, self.store.engine_state(), engine_cfg)
+        self.metrics.phase_duration.labels("decide").observe(time.perf_counter() - t0)
+        self.store.save_engine_state(decision.state)
+        self.cycles += 1
+        self.metrics.cycles.inc()
+        t1 = time.perf_counter()
+        self._execute(decision)
+        self.metrics.phase_duration.labels("execute").observe(time.perf_counter() - t1)
+        self.metrics.shortfalls.set(len(decision.shortfalls))
+        self.last = CycleRecord(self.cycles, now, snapshot, decision)
+        self._emit_availability(snapshot)
+        self._update_inventory_gauge()
+        self.metrics.cycle_duration.observe(time.perf_counter() - cycle_started)
+        if decision.follow_up:
+            self.trigger()
+        return decision
+
+    def _execute(self, decision: Decision) -> None:
+        for a in decision.suppressed:
+            kind = type(a).__name__
+            if decision.mode == "dry_run":
+                self.metrics.actions_dryrun.labels(kind).inc()
+            else:
+                self.metrics.actions_suppressed.labels(kind).inc()
+        for a in decision.actions:
+            self.metrics.actions.labels(type(a).__name__).inc()
+            if isinstance(a, Create):
+                binding = Binding(
+                    a.cluster_id, a.need_fingerprint, a.priority, a.interruption_penalty_dollars,
+                    a.reclamation_penalty_dollars, tuple(requirement_to_proto(r) for r in a.requirements), a.group,
+                )
+                self.executor.submit_create(a.machine_id, binding)
+            elif isinstance(a, Configure):
+                binding = Binding(
+                    a.cluster_id, a.need_fingerprint, a.priority, a.interruption_penalty_dollars,
+                    a.reclamation_penalty_dollars, tuple(requirement_to_proto(r) for r in a.requirements), a.group,
+                )
+                self.executor.submit_configure(a.machine_id, binding)
+            elif isinstance(a, Drain):
+                if a.reason == "reclaim" and not self.store.has_rolled_up(a.cluster_id):
+                    # Phase 3 waits for the cluster's first roll-up since start: a restart alone
+                    # must never reclaim anything.
+                    self.metrics.action_outcomes.labels("Reclaim", "gated_first_rollup").inc()
+                    continue
+                self.executor.submit_drain(a.machine_id, a.grace_period_seconds, a.preemptor_priority, a.reason)
+            elif isinstance(a, Delete):
+                self.executor.submit_delete(a.machine_id)
+
+    def _emit_availability(self, snapshot: tuple[Need, ...]) -> None:
+        if not len(self.sessions):
+            return
+        now = time.monotonic()
+        per_profile: dict[str, Any] = {}
+        machines = list(self.view.all())
+        for need in snapshot:
+            if self.sessions.get(need.cluster_id) is None:
+                continue
+            fp = need.fingerprint
+            a = per_profile.get(fp)
+            if a is None:
+                a = per_profile[fp] = availability_for(need.profile, machines, self.view.inflight)
+            if self.availability.due(need.cluster_id, fp, a, now):
+                self.sessions.send(need.cluster_id, update_message(need, a))
+
+    def _update_inventory_gauge(self) -> None:
+        counts = self.view.counts()
+        for st in S.values():
+            if st == S.MACHINE_STATE_UNSPECIFIED:
+                continue
+            self.metrics.inventory.labels(S.Name(st).removeprefix("MACHINE_STATE_").lower()).set(counts.get(st, 0))
+
+    async def cycle_loop(self) -> None:
+        last_cycle = 0.0
+        while not self._stopping.is_set():
+            try:
+                await asyncio.wait_for(self._trigger.wait(), self.config.cycle_interval)
+            except TimeoutError:
+                pass
+            if self._stopping.is_set():
+                return
+            gap = self.config.min_cycle_gap - (time.monotonic() - last_cycle)
+            if gap > 0:
+                await asyncio.sleep(gap)
+            self._trigger.clear()
+            last_cycle = time.monotonic()
+            try:
+                await self.run_cycle()
+            except Exception:
+                log.exception("cycle failed")
+
+    async def initial_reconcile(self) -> None:
+        """Full List, retried until it works: no decision is made on an inventory we have not read."""
+        delay = 0.2
+        while not self._stopping.is_set():
+            try:
+                await self.reconcile(full=True)
+                return
+            except ProviderError as exc:
+                log.warning("initial reconcile failed; retrying", error=str(exc), retry_in=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._start_loops(), name="shard-loops"))
+
+    async def _start_loops(self) -> None:
+        await self.initial_reconcile()
+        self.trigger()
+        await self.cycle_loop()
+
+    async def stop(self, drain_timeout: float = 5.0) -> None:
+        self._stopping.set()
+        self._trigger.set()
+        self.servicer.shutting_down = True
+        self.sessions.close_all(grpc.StatusCode.UNAVAILABLE, "shard shutting down; reconnect")
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.executor.drain_all(drain_timeout)
+        await self.provider.close()
+
+    def set_actuation(self, paused: bool, dry_run: bool) -> None:
+        self.paused, self.dry_run = paused, dry_run
+        self.metrics.paused.set(1 if paused else 0)
+        log.warning("actuation changed", paused=paused, dry_run=dry_run)
+        self.trigger()
+
+
+def binding_for_need(n: Need) -> Binding:
+    return Binding(
+        cluster_id=n.cluster_id,
+        need_fingerprint=n.fingerprint,
+        priority=n.priority,
+        interruption_penalty_dollars=n.profile.interruption_penalty_dollars,
+        reclamation_penalty_dollars=n.profile.reclamation_penalty_dollars,
+        requirements=tuple(requirement_to_proto(r) for r in n.requirements),
+        group=n.group,
+    )

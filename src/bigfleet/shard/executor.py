@@ -1,0 +1,376 @@
+"""Turns the engine's actions into fenced provider calls and operator frames, off the cycle's path.
+
+One mutation per machine at a time (a ledger of machines in flight drops
+duplicates); concurrency is bounded by a semaphore. Each flow marks the
+machine in its transitional state *before* calling out, so the next cycle
+already counts it, and ends in a stable state observed from the provider or
+in FAILED with ``last_error`` (a timeout or a provider error): a machine is
+never silently forgotten, and never handed out twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bigfleet.machine import Assignment, encode_shard_metadata
+from bigfleet.observability import get_logger
+from bigfleet.shard.metrics import ShardMetrics
+from bigfleet.shard.provider_client import ProviderClient, ProviderError
+from bigfleet.shard.sessions import BootstrapUnavailable, SessionRegistry
+from bigfleet.shard.view import MachineView, node_name
+from bigfleet.v1alpha1 import capacity_pb2, provider_pb2
+
+log = get_logger("bigfleet.shard.executor")
+
+S = provider_pb2.MachineState
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Everything Configure needs: who the machine is for and what protects it."""
+
+    cluster_id: str
+    need_fingerprint: str
+    priority: int
+    interruption_penalty_dollars: float
+    reclamation_penalty_dollars: float
+    requirements: tuple[capacity_pb2.NodeSelectorRequirement, ...]
+
+    group: str = ""
+
+    def metadata(self) -> dict[str, str]:
+        return encode_shard_metadata(
+            Assignment(self.priority, self.interruption_penalty_dollars, self.reclamation_penalty_dollars,
+                       self.need_fingerprint, self.group)
+        )
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    concurrency: int = 32
+    execute_timeout: float = 30.0  # how long a transition may take before the machine is FAILED
+    bootstrap_timeout: float = 30.0
+    reclaim_ack_timeout: float = 10.0
+    poll_interval: float = 0.1
+
+
+class Executor:
+    def __init__(
+        self,
+        view: MachineView,
+        provider: ProviderClient,
+        sessions: SessionRegistry,
+        resolve_binding: Callable[[str, str, int], Binding | None],
+        config: ExecutorConfig,
+        metrics: ShardMetrics | None = None,
+        on_settled: Callable[[], None] | None = None,
+    ) -> None:
+        self.view = view
+        self.provider = provider
+        self.sessions = sessions
+        self.resolve_binding = resolve_binding
+        self.config = config
+        self.metrics = metrics
+        self.on_settled = on_settled
+        self._sem = asyncio.Semaphore(max(1, config.concurrency))
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.bootstrap_failures: dict[tuple[str, str], str] = {}
+
+    @property
+    def inflight(self) -> int:
+        return len(self.view.inflight)
+
+    def _outcome(self, kind: str, outcome: str) -> None:
+        if self.metrics:
+            self.metrics.action_outcomes.labels(kind, outcome).inc()
+
+    # -- submission (synchronous, called from the cycle) ---------------------------------------
+
+    def submit_create(self, machine_id: str, binding: Binding | None) -> bool:
+        pb = self._claim(machine_id, "Provision", S.MACHINE_STATE_SPECULATIVE)
+        if pb is None:
+            return False
+        shown = _copy(pb)
+        shown.state = S.MACHINE_STATE_CREATING
+        if binding is not None:
+            self.view.reserved_for[machine_id] = binding.cluster_id
+            shown.shard_metadata.clear()
+            shown.shard_metadata.update(binding.metadata())
+        if not self.view.set(shown):
+            self.view.reserved_for.pop(machine_id, None)
+            self.view.inflight.pop(machine_id, None)
+            return False
+        self._spawn("Provision", machine_id, self._provision(machine_id, binding))
+        return True
+
+    def submit_configure(self, machine_id: str, binding: Binding) -> bool:
+        pb = self._claim(machine_id, "Bootstrap", S.MACHINE_STATE_IDLE)
+        if pb is None:
+            return False
+        self._show_configuring(pb, binding)
+        self._spawn("Bootstrap", machine_id, self._configure_flow(machine_id, binding))
+        return True
+
+    def submit_drain(self, machine_id: str, grace_seconds: int, preemptor_priority: int, reason: str) -> bool:
+        kind = "Preempt" if reason == "preempt" else "Reclaim"
+        pb = self._claim(machine_id, kind, S.MACHINE_STATE_CONFIGURED)
+        if pb is None:
+            return False
+        cluster = pb.cluster
+        shown = _copy(pb)
+        shown.state = S.MACHINE_STATE_DRAINING
+        self.view.set(shown)
+        self._spawn(kind, machine_id, self._drain_flow(machine_id, cluster, node_name(pb), grace_seconds, preemptor_priority))
+        return True
+
+    def submit_delete(self, machine_id: str) -> bool:
+        pb = self._claim(machine_id, "Delete", S.MACHINE_STATE_IDLE)
+        if pb is None:
+            return False
+        shown = _copy(pb)
+        shown.state = S.MACHINE_STATE_DELETING
+        self.view.set(shown)
+        self._spawn("Delete", machine_id, self._delete_flow(machine_id))
+        return True
+
+    def _claim(self, machine_id: str, kind: str, required: int) -> provider_pb2.Machine | None:
+        if machine_id in self.view.inflight:
+            if self.metrics:
+                self.metrics.actions_deduped.inc()
+            return None
+        pb = self.view.get(machine_id)
+        if pb is None or pb.state != required or machine_id in self.view.failed_local:
+            self._outcome(kind, "not_applicable")
+            return None
+        self.view.inflight[machine_id] = kind
+        return pb
+
+    def _spawn(self, kind: str, machine_id: str, coro: Any) -> None:
+        async def run() -> None:
+            async with self._sem:
+                if self.metrics:
+                    self.metrics.execute_inflight.inc()
+                try:
+                    await coro
+                except asyncio.CancelledError:
+                    self._outcome(kind, "ctx_canceled")
+                    raise
+                except Exception as exc:  # a bug must not leave the machine owned forever
+                    log.exception("action crashed", kind=kind, machine=machine_id)
+                    self._fail(machine_id, f"{kind}: internal error: {exc}")
+                    self._outcome(kind, "internal_error")
+                finally:
+                    self.view.inflight.pop(machine_id, None)
+                    self.view.reserved_for.pop(machine_id, None)
+                    if self.metrics:
+                        self.metrics.execute_inflight.dec()
+                    if self.on_settled:
+                        self.on_settled()
+
+        task = asyncio.create_task(run(), name=f"{kind}-{machine_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain_all(self, timeout: float) -> None:
+        """Wait for in-flight actions (used at shutdown); cancel what is left after ``timeout``."""
+        if not self._tasks:
+            return
+        _done, pending = await asyncio.wait(set(self._tasks), timeout=timeout)
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    # -- flows ---------------------------------------------------------------------------------
+
+    def _fail(self, machine_id: str, error: str) -> None:
+        log.warning("machine failed", machine=machine_id, error=error)
+        self.view.mark_failed(machine_id, error)
+
+    def _show_configuring(self, pb: provider_pb2.Machine, binding: Binding) -> None:
+        shown = _copy(pb)
+        shown.state = S.MACHINE_STATE_CONFIGURING
+        shown.cluster = binding.cluster_id
+        shown.shard_metadata.clear()
+        shown.shard_metadata.update(binding.metadata())
+        self.view.set(shown)
+
+    def _release_to(self, machine_id: str, base: provider_pb2.Machine | None) -> None:
+        """Hand the machine back to the provider's view (e.g. Idle after a bootstrap that did not happen)."""
+        latest = self.view.provider_latest.get(machine_id) or base
+        if latest is not None:
+            self.view.set(latest)
+
+    async def _wait_state(self, machine_id: str, targets: set[int], deadline: float) -> provider_pb2.Machine:
+        """Poll Get until the machine reaches one of ``targets`` (or FAILED); TimeoutError at ``deadline``."""
+        interval = self.config.poll_interval
+        last_err = "no answer"
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(last_err)
+            try:
+                pb = await self.provider.get(machine_id, total=min(remaining, 5.0))
+                self.view.provider_latest[machine_id] = pb
+                if pb.state in targets or pb.state == S.MACHINE_STATE_FAILED:
+                    return pb
+                last_err = f"still {S.Name(pb.state)}"
+            except ProviderError as exc:
+                last_err = str(exc)
+                if exc.code.name == "NOT_FOUND":
+                    raise
+            await asyncio.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+            interval = min(interval * 1.5, 1.0)
+
+    async def _provision(self, machine_id: str, binding: Binding | None) -> None:
+        deadline = time.monotonic() + self.config.execute_timeout
+        try:
+            ack = await self.provider.create(machine_id)
+            self.view.provider_latest[machine_id] = ack.machine
+            if ack.machine.state != S.MACHINE_STATE_IDLE:
+                pb = await self._wait_state(machine_id, {S.MACHINE_STATE_IDLE}, deadline)
+            else:
+                pb = ack.machine
+        except ProviderError as exc:
+            self._handle_error("Provision", machine_id, exc)
+            return
+        except TimeoutError as exc:
+            self._fail(machine_id, f"Create: timed out after {self.config.execute_timeout:g}s ({exc})")
+            self._outcome("Provision", "timeout")
+            return
+        if pb.state == S.MACHINE_STATE_FAILED:
+            self.view.set(pb)
+            self.view.failed_local.add(machine_id)
+            self._outcome("Provision", "transition_error")
+            return
+        # Idle now: configure it for the need it was created for, if that need still exists.
+        current = (
+            self.resolve_binding(binding.cluster_id, binding.need_fingerprint, binding.priority) if binding else None
+        )
+        if current is None:
+            self.view.set(pb)
+            self._outcome("Provision", "success_unbound")
+            return
+        self._show_configuring(pb, current)
+        await self._configure_flow(machine_id, current, kind="Provision", base=pb)
+
+    async def _configure_flow(
+        self, machine_id: str, binding: Binding, kind: str = "Bootstrap", base: provider_pb2.Machine | None = None
+    ) -> None:
+        base = base or self.view.provider_latest.get(machine_id)
+        session = self.sessions.get(binding.cluster_id)
+        if session is None:
+            self._release_to(machine_id, base)
+            self._outcome(kind, "no_session")
+            return
+        started = time.perf_counter()
+        try:
+            blob = await session.request_bootstrap(list(binding.requirements), self.config.bootstrap_timeout)
+        except BootstrapUnavailable as exc:
+            # The provider was not touched: the machine goes back to Idle for a later retry.
+            self.bootstrap_failures[(binding.cluster_id, binding.need_fingerprint)] = str(exc)
+            self._release_to(machine_id, base)
+            self._outcome(kind, "blob_timeout")
+            return
+        if self.metrics:
+            self.metrics.bootstrap_duration.observe(time.perf_counter() - started)
+        if blob.error:
+            self.bootstrap_failures[(binding.cluster_id, binding.need_fingerprint)] = blob.error
+            self._release_to(machine_id, base)
+            self._outcome(kind, "blob_error")
+            return
+        deadline = time.monotonic() + self.config.execute_timeout
+        try:
+            ack = await self.provider.configure(machine_id, binding.cluster_id, blob.user_data, binding.metadata())
+            pb = ack.machine
+            if pb.state != S.MACHINE_STATE_CONFIGURED:
+                pb = await self._wait_state(machine_id, {S.MACHINE_STATE_CONFIGURED}, deadline)
+        except ProviderError as exc:
+            self._handle_error(kind, machine_id, exc, "configure_error")
+            return
+        except TimeoutError as exc:
+            self._fail(machine_id, f"Configure: timed out after {self.config.execute_timeout:g}s ({exc})")
+            self._outcome(kind, "timeout")
+            return
+        self.view.provider_latest[machine_id] = pb
+        self.view.set(pb, force=True)
+        if pb.state == S.MACHINE_STATE_FAILED:
+            self.view.failed_local.add(machine_id)
+            self._outcome(kind, "transition_error")
+            return
+        self.bootstrap_failures.pop((binding.cluster_id, binding.need_fingerprint), None)
+        self._outcome(kind, "success")
+
+    async def _drain_flow(self, machine_id: str, cluster: str, node: str, grace: int, preemptor_priority: int) -> None:
+        kind = "Preempt" if preemptor_priority else "Reclaim"
+        session = self.sessions.get(cluster)
+        if session is not None:
+            fut = session.send_reclaim([node], grace, preemptor_priority)
+            try:
+                started = await asyncio.wait_for(fut, min(self.config.reclaim_ack_timeout, max(1.0, float(grace))))
+                log.info("reclaim acknowledged", machine=machine_id, node=node, nodes_started=started)
+            except (TimeoutError, asyncio.CancelledError):
+                log.info("no reclaim ack; draining anyway", machine=machine_id)
+        deadline = time.monotonic() + self.config.execute_timeout + grace
+        try:
+            ack = await self.provider.drain(machine_id, grace)
+            pb = ack.machine
+            if pb.state != S.MACHINE_STATE_IDLE:
+                pb = await self._wait_state(machine_id, {S.MACHINE_STATE_IDLE}, deadline)
+        except ProviderError as exc:
+            self._handle_error(kind, machine_id, exc)
+            return
+        except TimeoutError as exc:
+            self._fail(machine_id, f"Drain: timed out ({exc})")
+            self._outcome(kind, "timeout")
+            return
+        self.view.provider_latest[machine_id] = pb
+        self.view.set(pb, force=True)
+        if pb.state == S.MACHINE_STATE_FAILED:
+            self.view.failed_local.add(machine_id)
+        self._outcome(kind, "success" if pb.state == S.MACHINE_STATE_IDLE else "transition_error")
+
+    async def _delete_flow(self, machine_id: str) -> None:
+        deadline = time.monotonic() + self.config.execute_timeout
+        try:
+            ack = await self.provider.delete(machine_id)
+            pb = ack.machine
+            if pb.state != S.MACHINE_STATE_SPECULATIVE:
+                pb = await self._wait_state(machine_id, {S.MACHINE_STATE_SPECULATIVE}, deadline)
+        except ProviderError as exc:
+            self._handle_error("Delete", machine_id, exc)
+            return
+        except TimeoutError as exc:
+            self._fail(machine_id, f"Delete: timed out ({exc})")
+            self._outcome("Delete", "timeout")
+            return
+        self.view.provider_latest[machine_id] = pb
+        self.view.set(pb, force=True)
+        if pb.state == S.MACHINE_STATE_FAILED:
+            self.view.failed_local.add(machine_id)
+        self._outcome("Delete", "success" if pb.state == S.MACHINE_STATE_SPECULATIVE else "transition_error")
+
+    def _handle_error(self, kind: str, machine_id: str, exc: ProviderError, outcome: str = "transition_error") -> None:
+        if exc.fenced:
+            # Another incarnation of this shard owns the machine now: touch nothing, never retry.
+            log.error("fenced by provider (zombie shard?)", kind=kind, machine=machine_id, error=str(exc))
+            self._outcome(kind, "fenced")
+            return
+        self._fail(machine_id, f"{exc.rpc}: {exc.code.name}: {exc.details}")
+        self._outcome(kind, outcome)
+
+
+def _copy(pb: provider_pb2.Machine) -> provider_pb2.Machine:
+    out = provider_pb2.Machine()
+    out.CopyFrom(pb)
+    return out
+
+
+def requirements_to_proto(reqs: Sequence[Any]) -> tuple[capacity_pb2.NodeSelectorRequirement, ...]:
+    from bigfleet.needs import requirement_to_proto
+
+    return tuple(requirement_to_proto(r) for r in reqs)

@@ -1,0 +1,140 @@
+"""ShardRead (read-only inspection) and ShardAdmin (pause / dry-run) services.
+
+Served on the same port as Shard. What InspectNeeds and ListShortfalls return
+is soft state from the last cycle; GetInventoryCounts is live.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from bigfleet.needs import need_to_proto, requirement_to_proto
+from bigfleet.v1alpha1 import coordinator_pb2, provider_pb2, shardread_pb2, shardread_pb2_grpc
+
+if TYPE_CHECKING:
+    from bigfleet.shard.daemon import ShardDaemon
+
+S = provider_pb2.MachineState
+BOUND = (S.MACHINE_STATE_CONFIGURING, S.MACHINE_STATE_CONFIGURED, S.MACHINE_STATE_DRAINING)
+
+
+class ShardReadServicer(shardread_pb2_grpc.ShardReadServicer):
+    def __init__(self, daemon: ShardDaemon) -> None:
+        self.d = daemon
+
+    async def InspectNeeds(
+        self, request: shardread_pb2.InspectNeedsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[shardread_pb2.InspectNeedsResponse]:
+        if request.limit < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "limit must be >= 0")
+        rec = self.d.last
+        needs = [n for n in rec.needs if not request.cluster_id or n.cluster_id == request.cluster_id]
+        yield shardread_pb2.InspectNeedsResponse(
+            header=shardread_pb2.InspectNeedsHeader(
+                cycle=rec.cycle, computed_at_unix_nanos=rec.computed_at_unix_nanos, total_needs=len(needs)
+            )
+        )
+        verdicts = {(v.cluster_id, v.fingerprint): v for v in (rec.decision.verdicts if rec.decision else ())}
+        if request.limit:
+            needs = needs[: request.limit]
+        for n in needs:
+            view = shardread_pb2.NeedView(
+                need=need_to_proto(n), cluster_id=n.cluster_id, arrival_unix_nanos=n.arrival_unix_nanos,
+                profile_fingerprint=n.fingerprint,
+            )
+            v = verdicts.get((n.cluster_id, n.fingerprint))
+            if v is not None:
+                view.satisfied = v.satisfied
+                view.claimed_machine_count = v.claimed_count
+                view.bootstrap_count = v.bootstrap_count
+                view.provision_count = v.provision_count
+                view.same_domain = v.same_domain
+                view.same_satisfiable = v.same_satisfiable
+                view.acquisition_parked = v.parked
+                view.parked_age_cycles = v.parked_age_cycles
+                view.age_cycles_unmet = v.age_cycles_unmet
+                reason = int(v.unmet_reason)
+                view.unmet_reason = reason if reason <= 4 else 0  # type: ignore[assignment]
+                if not v.satisfied:
+                    view.residual_deficit.resources.update(v.deficit.to_wire())
+                    ms = v.matching_supply
+                    view.matching_supply.CopyFrom(
+                        shardread_pb2.MatchingSupply(
+                            idle=ms.idle, configured=ms.configured, speculative=ms.speculative, capped=ms.capped
+                        )
+                    )
+                    if reason == 4:
+                        view.preemption.victims_found = v.victims_found
+                        if v.capacity_freed is not None:
+                            view.preemption.capacity_freed.resources.update(v.capacity_freed.to_wire())
+            yield shardread_pb2.InspectNeedsResponse(need=view)
+
+    async def GetInventoryCounts(
+        self, request: shardread_pb2.InventoryCountsRequest, context: grpc.aio.ServicerContext
+    ) -> shardread_pb2.InventoryCounts:
+        by_state: dict[str, int] = {}
+        bound: dict[str, int] = {}
+        total = 0
+        inflight = 0
+        for pb in self.d.view.all():
+            if request.cluster_id and pb.cluster != request.cluster_id:
+                continue
+            total += 1
+            name = S.Name(pb.state)
+            by_state[name] = by_state.get(name, 0) + 1
+            if pb.state in BOUND and pb.cluster:
+                bound[pb.cluster] = bound.get(pb.cluster, 0) + 1
+            if pb.id in self.d.view.inflight:
+                inflight += 1
+        return shardread_pb2.InventoryCounts(
+            by_state=by_state, total=total, in_flight=inflight, shard_epoch=self.d.config.epoch,
+            bound_by_cluster=bound, reconciled=self.d.reconciled.is_set(),
+        )
+
+    async def ListShortfalls(
+        self, request: shardread_pb2.ListShortfallsRequest, context: grpc.aio.ServicerContext
+    ) -> shardread_pb2.ListShortfallsResponse:
+        if request.limit < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "limit must be >= 0")
+        rec = self.d.last
+        out = shortfalls_to_proto(rec.decision.shortfalls if rec.decision else ())
+        if request.limit:
+            out = out[: request.limit]
+        return shardread_pb2.ListShortfallsResponse(cycle=rec.cycle, shortfalls=out)
+
+
+def shortfalls_to_proto(shortfalls: object) -> list[coordinator_pb2.Shortfall]:
+    out = []
+    for sf in shortfalls:  # type: ignore[attr-defined]
+        out.append(
+            coordinator_pb2.Shortfall(
+                requirements=[requirement_to_proto(r) for r in sf.requirements],
+                deficit=provider_pb2.Resources(resources=sf.deficit.to_wire()),
+                priority=sf.priority,
+                age_cycles=sf.age_cycles,
+                interruption_penalty_bucket=int(sf.interruption_bucket),  # type: ignore[arg-type]
+            )
+        )
+    return out
+
+
+class ShardAdminServicer(shardread_pb2_grpc.ShardAdminServicer):
+    def __init__(self, daemon: ShardDaemon) -> None:
+        self.d = daemon
+
+    def _status(self) -> shardread_pb2.ActuationStatus:
+        return shardread_pb2.ActuationStatus(paused=self.d.paused, dry_run=self.d.dry_run, cycle=self.d.cycles)
+
+    async def GetActuation(
+        self, request: shardread_pb2.GetActuationRequest, context: grpc.aio.ServicerContext
+    ) -> shardread_pb2.ActuationStatus:
+        return self._status()
+
+    async def SetActuation(
+        self, request: shardread_pb2.SetActuationRequest, context: grpc.aio.ServicerContext
+    ) -> shardread_pb2.ActuationStatus:
+        self.d.set_actuation(request.paused, request.dry_run)
+        return self._status()

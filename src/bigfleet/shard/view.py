@@ -1,0 +1,176 @@
+"""The shard's view of its machines: provider records plus the shard's own overlays.
+
+The provider is the source of truth, but between a lifecycle call and the
+provider's record catching up the shard must already show the machine as
+taken (CREATING/CONFIGURING/DRAINING/DELETING with its reservation) so the
+next cycle neither picks it again nor forgets what it is for. Machines with
+an action in flight are owned by the executor: reconcile records what the
+provider says but does not overwrite them. FAILED set by the shard is
+sticky (terminal; cleaned up out of band).
+
+Every change of a machine bound (or being bound) to a cluster produces a
+NodeStateUpdate for that cluster; the binding held *before* the change routes
+it, so the final Draining→Idle update still reaches the cluster it left.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+from bigfleet.machine import Machine, ValidationError, machine_from_proto
+from bigfleet.machine import rejection_reason as _core_rejection_reason
+from bigfleet.observability import get_logger
+from bigfleet.v1alpha1 import provider_pb2, shard_pb2
+
+log = get_logger("bigfleet.shard.view")
+
+S = provider_pb2.MachineState
+BOUND_STATES = frozenset({S.MACHINE_STATE_CONFIGURING, S.MACHINE_STATE_CONFIGURED, S.MACHINE_STATE_DRAINING})
+
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+NODE_NAME_METADATA = "bigfleet.lucy.sh/node-name"
+
+
+def node_name(pb: provider_pb2.Machine) -> str:
+    """Kubernetes node name of a machine: provider hostname label, then recorded name, then the id (decision 7)."""
+    return pb.labels.get(HOSTNAME_LABEL) or pb.shard_metadata.get(NODE_NAME_METADATA) or pb.id
+
+
+def rejection_reason(exc: ValidationError) -> str:
+    return _core_rejection_reason(exc)
+
+
+def node_state_update(pb: provider_pb2.Machine, cluster_id: str) -> shard_pb2.ShardMessage:
+    labels = dict(pb.labels)
+    if pb.instance_type:
+        labels.setdefault("node.kubernetes.io/instance-type", pb.instance_type)
+    if pb.zone:
+        labels.setdefault("topology.kubernetes.io/zone", pb.zone)
+    res = pb.allocatable if pb.allocatable.resources else pb.resources
+    return shard_pb2.ShardMessage(
+        node_state_update=shard_pb2.NodeStateUpdate(
+            supersedes_key=f"node:{pb.id}",
+            machine_id=pb.id,
+            cluster_id=cluster_id,
+            state=pb.state,
+            node_name=node_name(pb),
+            provider_id=pb.host.ref,
+            last_error=pb.last_error,
+            labels=labels,
+            resources=provider_pb2.Resources(resources=dict(res.resources)),
+        )
+    )
+
+
+NodeSink = Callable[[str, shard_pb2.ShardMessage], None]
+
+
+class MachineView:
+    def __init__(self, on_node_update: NodeSink | None = None, on_reject: Callable[[str], None] | None = None) -> None:
+        # What the engine reads (it only needs ``machines()``). Not a core ``Inventory``: a machine
+        # being created for a need carries the cluster it is for, which the engine credits but the
+        # record invariant (no cluster before Configure) would refuse.
+        self._machines: dict[str, Machine] = {}
+        self._pb: dict[str, provider_pb2.Machine] = {}
+        self.provider_latest: dict[str, provider_pb2.Machine] = {}
+        self.inflight: dict[str, str] = {}
+        self.failed_local: set[str] = set()
+        # A machine being created for a cluster carries no cluster yet (the record forbids it
+        # before Configure); this routes its NodeStateUpdates to the cluster it is for.
+        self.reserved_for: dict[str, str] = {}
+        self._on_node_update = on_node_update
+        self._on_reject = on_reject
+        self.version = 0
+
+    def __len__(self) -> int:
+        return len(self._pb)
+
+    def machines(self) -> Iterable[Machine]:
+        """The engine's input: one validated record per machine, reservations applied."""
+        return self._machines.values()
+
+    def machine(self, machine_id: str) -> Machine | None:
+        return self._machines.get(machine_id)
+
+    def get(self, machine_id: str) -> provider_pb2.Machine | None:
+        return self._pb.get(machine_id)
+
+    def all(self) -> Iterable[provider_pb2.Machine]:
+        return self._pb.values()
+
+    def ids(self) -> list[str]:
+        return list(self._pb)
+
+    def set(self, pb: provider_pb2.Machine, *, force: bool = False) -> bool:
+        """Install ``pb`` as the shard's record; False if validation rejected it (the old one stays)."""
+        old = self._pb.get(pb.id)
+        if old is not None and old == pb:
+            return True
+        if pb.id in self.failed_local and not force:
+            return True
+        now = time.time_ns()
+        try:
+            m = machine_from_proto(pb, now_unix_nanos=now)
+        except ValidationError as exc:
+            reason = rejection_reason(exc)
+            log.warning("machine record rejected", machine=pb.id, reason=reason, error=str(exc))
+            if self._on_reject:
+                self._on_reject(reason)
+            return False
+        reserved = self.reserved_for.get(pb.id)
+        if reserved and not m.cluster and pb.state == S.MACHINE_STATE_CREATING:
+            m = m.replace(cluster=reserved)
+        prev = self._machines.get(pb.id)
+        if prev is not None and prev.state is m.state:
+            m = m.replace(state_since_unix_nanos=prev.state_since_unix_nanos)
+        self._pb[pb.id] = pb
+        self._machines[pb.id] = m
+        self.version += 1
+        self._emit(old, pb)
+        return True
+
+    def observe(self, pb: provider_pb2.Machine) -> bool:
+        """A record from the provider (List/Get/ack); applied unless the executor owns the machine."""
+        self.provider_latest[pb.id] = pb
+        if pb.id in self.inflight or pb.id in self.failed_local:
+            return True
+        return self.set(pb)
+
+    def forget(self, machine_id: str) -> None:
+        if self._pb.pop(machine_id, None) is not None:
+            self._machines.pop(machine_id, None)
+            self.version += 1
+        self.provider_latest.pop(machine_id, None)
+
+    def mark_failed(self, machine_id: str, error: str) -> None:
+        cur = self._pb.get(machine_id) or self.provider_latest.get(machine_id)
+        if cur is None:
+            return
+        pb = provider_pb2.Machine()
+        pb.CopyFrom(cur)
+        pb.state = S.MACHINE_STATE_FAILED
+        pb.last_error = error
+        self.failed_local.discard(machine_id)
+        if self.set(pb, force=True):
+            self.failed_local.add(machine_id)
+
+    def counts(self) -> Counter[int]:
+        return Counter(int(pb.state) for pb in self._pb.values())
+
+    def route(self, pb: provider_pb2.Machine) -> str:
+        return pb.cluster or self.reserved_for.get(pb.id, "")
+
+    def bound_to(self, cluster_id: str) -> list[provider_pb2.Machine]:
+        return [pb for pb in self._pb.values() if self.route(pb) == cluster_id]
+
+    def _emit(self, old: provider_pb2.Machine | None, new: provider_pb2.Machine) -> None:
+        if self._on_node_update is None:
+            return
+        if old is not None and old.state == new.state and old.cluster == new.cluster and old.last_error == new.last_error \
+                and node_name(old) == node_name(new):
+            return
+        target = self.route(new) or (old.cluster if old is not None else "")
+        if target:
+            self._on_node_update(target, node_state_update(new, target))
