@@ -483,8 +483,9 @@ def _check_type(where: str, f: FieldDescriptor, spec: str) -> None:
     repeated = False
     if spec.startswith("map<"):
         key_t, val_t = spec[4:-1].split(",")
-        assert f.type == FieldDescriptor.TYPE_MESSAGE and f.message_type.GetOptions().map_entry, f"{where}: not a map"
         entry = f.message_type
+        assert f.type == FieldDescriptor.TYPE_MESSAGE and entry is not None, f"{where}: not a message"
+        assert entry.GetOptions().map_entry, f"{where}: not a map"
         _check_type(where + ".key", entry.fields_by_name["key"], key_t)
         _check_type(where + ".value", entry.fields_by_name["value"], val_t)
         return
@@ -495,10 +496,10 @@ def _check_type(where: str, f: FieldDescriptor, spec: str) -> None:
     if spec in _SCALARS:
         assert f.type == _SCALARS[spec], f"{where}: type {f.type}, spec says {spec}"
     elif spec in ENUMS:
-        assert f.type == FieldDescriptor.TYPE_ENUM, f"{where}: not an enum"
+        assert f.type == FieldDescriptor.TYPE_ENUM and f.enum_type is not None, f"{where}: not an enum"
         assert _rel(f.enum_type.full_name) == spec, f"{where}: enum {f.enum_type.full_name}, spec says {spec}"
     else:
-        assert f.type == FieldDescriptor.TYPE_MESSAGE, f"{where}: not a message"
+        assert f.type == FieldDescriptor.TYPE_MESSAGE and f.message_type is not None, f"{where}: not a message"
         assert not f.message_type.GetOptions().map_entry, f"{where}: is a map"
         assert _rel(f.message_type.full_name) == spec, f"{where}: message {f.message_type.full_name}, spec says {spec}"
 
