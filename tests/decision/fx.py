@@ -40,7 +40,7 @@ def machine(mid: str, state: MachineState = S.IDLE, *, cluster: str = "", zone: 
             itype: str = GPU_TYPE, ctype: CapacityType = CapacityType.BARE_METAL, price: float = 0.0,
             prob: float = 0.0, res: Resources | None = None, labels: dict[str, str] | None = None,
             prio: int = 0, ipd: float = 0.0, rpd: float = 0.0, fp: str = "", group: str = "",
-            since: int = 0) -> Machine:
+            since: int = NOW) -> Machine:
     host = "" if state in (S.SPECULATIVE,) else "fake"
     return Machine(
         mid, state, instance_type=itype, zone=zone, capacity_type=ctype, price_per_hour=price,
@@ -48,7 +48,7 @@ def machine(mid: str, state: MachineState = S.IDLE, *, cluster: str = "", zone: 
         cluster=cluster, host_provider=host, host_ref=mid if host else "",
         assigned_priority=prio, assigned_interruption_penalty_dollars=ipd,
         assigned_reclamation_penalty_dollars=rpd, assigned_need_fingerprint=fp, assigned_group=group,
-        state_since_unix_nanos=since,
+        state_since_unix_nanos=since, last_error="boom" if state == S.FAILED else "",
     )
 
 

@@ -69,10 +69,36 @@ class _N:
     """One (normalised) need being decided, plus its per-cycle results."""
 
     __slots__ = (
-        "acquired_idle", "acquired_spec", "agg", "arrival", "claimed", "cluster", "credited", "fp",
-        "freed", "group", "ib", "key", "members", "minu", "need", "order", "park_age", "park_key",
-        "parked", "prio", "rb", "remaining", "reqs", "same", "same_domain", "same_sat", "spread",
-        "unmet_age", "victims",
+        "acquired_idle",
+        "acquired_spec",
+        "agg",
+        "arrival",
+        "claimed",
+        "cluster",
+        "credited",
+        "fp",
+        "freed",
+        "group",
+        "ib",
+        "key",
+        "members",
+        "minu",
+        "need",
+        "order",
+        "p1_remaining",
+        "park_age",
+        "park_key",
+        "parked",
+        "prio",
+        "rb",
+        "remaining",
+        "reqs",
+        "same",
+        "same_domain",
+        "same_sat",
+        "spread",
+        "unmet_age",
+        "victims",
     )
 
     def __init__(self, need: Need, members: list[Need], dims: tuple[str, ...]) -> None:
@@ -98,6 +124,7 @@ class _N:
         self.parked = False
         self.park_age = 0
         self.remaining: Vec = self.agg
+        self.p1_remaining: Vec = self.agg
         self.claimed: list[Machine] = []
         self.credited = 0
         self.acquired_idle: list[Machine] = []
@@ -709,6 +736,7 @@ def decide_indexed(needs: Sequence[Need], ix: Index, now: int, state: EngineStat
     _phase1(cy, rows, state)
 
     for n in rows:
+        n.p1_remaining = n.remaining
         if any(n.remaining):
             n.unmet_age = state.unmet_ages.get(n.key, 0) + 1
 
@@ -741,7 +769,7 @@ def decide_indexed(needs: Sequence[Need], ix: Index, now: int, state: EngineStat
     n_unsat = 0
     n_unresolved = 0
     for n in rows:
-        unsat = any(n.remaining)
+        unsat = any(n.p1_remaining)
         if n.same is not None and n.same_domain:
             new_domains[n.park_key] = n.same_domain
         if n.same is not None:
@@ -751,6 +779,8 @@ def decide_indexed(needs: Sequence[Need], ix: Index, now: int, state: EngineStat
         if unsat:
             n_unsat += 1
             new_unmet[n.key] = n.unmet_age
+        if any(n.remaining):
+            # still short after Phase 2's preemptions: a shortfall
             short.setdefault(n.fp, []).append(n)
             n_unresolved += 1
         verdicts.extend(_verdicts(cy, n, unsat))
@@ -853,7 +883,7 @@ def _verdicts(cy: _Cycle, n: _N, unsat: bool) -> list[Verdict]:
     folded = len(n.members) > 1 or (n.members and n.members[0] is not n.need)
     base = dict(
         satisfied=not unsat,
-        deficit=_res(cy.dims, n.remaining),
+        deficit=_res(cy.dims, n.p1_remaining),
         claimed_count=len(n.claimed),
         bootstrap_count=len(n.acquired_idle),
         provision_count=len(n.acquired_spec),
