@@ -1,0 +1,1 @@
+"""The optional pod controller: one CapacityRequest per unschedulable pod."""
