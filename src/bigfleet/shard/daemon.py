@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from bigfleet.decision.types import Configure, Create, Decision, Delete, Drain, EngineConfig
+from bigfleet.machine import MachineState
 from bigfleet.needs import Need, ValidationError, requirement_to_proto, rollup_from_proto
 from bigfleet.observability import get_logger
 from bigfleet.shard.availability import AvailabilityEmitter, availability_for, update_message
@@ -210,8 +211,15 @@ class ShardDaemon:
                 self.metrics.actions_dryrun.labels(kind).inc()
             else:
                 self.metrics.actions_suppressed.labels(kind).inc()
+        orphans = self._orphan_creates()
         for a in decision.actions:
             self.metrics.actions.labels(type(a).__name__).inc()
+            if isinstance(a, Create) and orphans:
+                # A Create from a previous incarnation (or one we lost track of) is still running:
+                # its machine will be Idle shortly and the engine will hand it out then. Creating
+                # another now would over-acquire because the old reservation died with the process.
+                self.metrics.action_outcomes.labels("Provision", "deferred_orphan_create").inc()
+                continue
             if isinstance(a, Create):
                 binding = Binding(
                     a.cluster_id, a.need_fingerprint, a.priority, a.interruption_penalty_dollars,
@@ -233,6 +241,18 @@ class ShardDaemon:
                 self.executor.submit_drain(a.machine_id, a.grace_period_seconds, a.preemptor_priority, a.reason)
             elif isinstance(a, Delete):
                 self.executor.submit_delete(a.machine_id)
+
+    def _orphan_creates(self) -> int:
+        """CREATING machines nobody here is driving, seen for less than two execute timeouts
+        (after that they no longer hold back new Creates: the provider is expected to fail them)."""
+        window = int(2 * self.config.executor.execute_timeout * 1e9)
+        now = time.time_ns()
+        n = 0
+        for m in self.view.machines():
+            if m.state == MachineState.CREATING and m.id not in self.view.inflight \
+                    and now - m.state_since_unix_nanos < window:
+                n += 1
+        return n
 
     def _emit_availability(self, snapshot: tuple[Need, ...]) -> None:
         if not len(self.sessions):
