@@ -136,6 +136,10 @@ class CoordinatorDaemon:
         self._metrics_server: MetricsServer | None = None
         self._health: Any = None
         self._was_leader = False
+        # Raft term in which this node, as leader, committed its barrier write:
+        # only then has it applied every entry earlier leaders acknowledged.
+        self._ready_term = -1
+        self._barrier: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -221,6 +225,8 @@ class CoordinatorDaemon:
                 leader_known = raft.leader() is not None
                 await self._health.set(SERVICE_NAME, SERVING if leader_known else NOT_SERVING)
                 is_leader = raft.is_leader()
+                if is_leader and self._ready_term != raft.raft_term() and (self._barrier is None or self._barrier.done()):
+                    self._barrier = asyncio.create_task(self._leader_barrier())
                 if is_leader != self._was_leader:
                     self.log.info("leadership changed", leader=is_leader, term=raft.term())
                     if is_leader:
@@ -253,7 +259,24 @@ class CoordinatorDaemon:
                         self.metrics.transfers.labels(k).set(kinds.get(k, 0))
             except Exception as exc:  # keep reporting health whatever happens
                 self.log.warning("status loop error", error=repr(exc))
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.02 if self.r().is_leader() and not self.ready() else 0.1)
+
+    async def _leader_barrier(self) -> None:
+        raft = self.r()
+        term = raft.raft_term()
+        try:
+            await raft.submit({"op": "noop"}, timeout=2.0)
+        except RaftError as exc:
+            self.log.info("leader barrier failed", error=str(exc))
+            return
+        if raft.is_leader() and raft.raft_term() == term:
+            self._ready_term = term
+            self.log.info("leader ready", term=self.r().term())
+
+    def ready(self) -> bool:
+        """Leader *and* caught up: serves reads and writes."""
+        raft = self.r()
+        return raft.is_leader() and self._ready_term == raft.raft_term()
 
     async def _member_loop(self) -> None:
         """Record this replica's gRPC address in Raft so followers can hint at the leader."""
@@ -283,7 +306,7 @@ class CoordinatorDaemon:
             return
         self.log.warning("restored snapshot pending; will propose it once leader", source_index=seed.get("source_index"))
         while True:
-            if self.r().is_leader():
+            if self.ready():
                 try:
                     cmd = {"op": "restore", "state": seed["state"], "term_offset": seed["term_offset"], "incarnation": seed["incarnation"]}
                     await self.r().submit(cmd, timeout=10.0)
@@ -300,7 +323,7 @@ class CoordinatorDaemon:
         interval = self.cfg.snapshot_export_interval or 300.0
         while True:
             await asyncio.sleep(interval)
-            if not self.r().is_leader():
+            if not self.ready():
                 continue
             try:
                 meta, state = self.snapshot()
@@ -315,7 +338,7 @@ class CoordinatorDaemon:
             return
         while True:
             await asyncio.sleep(self.cfg.rebalance_interval)
-            if not self.r().is_leader():
+            if not self.ready():
                 continue
             try:
                 await self.rebalance_inventory_once()
@@ -423,7 +446,7 @@ class CoordinatorService(pbg.CoordinatorServicer):
         self.d = d
 
     async def _leader(self, context: grpc.aio.ServicerContext) -> None:
-        if self.d.r().is_leader():
+        if self.d.ready():
             return
         hint = self.d.leader_hint()
         if hint:

@@ -170,6 +170,9 @@ def plan_rebalance(
                     break
 
     # 2. Converge on the HRW preference where the preferred shard has room.
+    # A cluster that reached its preferred shard never moves again, so the
+    # passes end; repeating them makes the plan a fixed point (a move that
+    # frees room can unblock a cluster examined earlier).
     pending: list[tuple[str, str]] = []
     for c in sorted(current):
         if c in frozen_set:
@@ -177,9 +180,17 @@ def plan_rebalance(
         top = preferred(c, live_list)
         if top is not None and top != current[c]:
             pending.append((c, top))
-    for c, top in pending:
-        if after[top] < cap:
-            move(c, top)
+    progress = True
+    while progress and pending:
+        progress = False
+        waiting: list[tuple[str, str]] = []
+        for c, top in pending:
+            if after[top] < cap:
+                move(c, top)
+                progress = True
+            else:
+                waiting.append((c, top))
+        pending = waiting
 
     out = sorted(moves.values(), key=lambda m: m.cluster_id)
     if max_moves > 0 and len(out) > max_moves:
