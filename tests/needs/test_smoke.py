@@ -19,10 +19,12 @@ def test_rollup_into_table_and_back() -> None:
         cluster_id="c1",
         needs=[
             capacity_pb2.CapacityNeed(
-                requirements=[capacity_pb2.NodeSelectorRequirement(key="zone", operator=1, values=["b", "a"])],
+                requirements=[
+                    capacity_pb2.NodeSelectorRequirement(key="zone", operator=1, values=["b", "a"])  # type: ignore[arg-type]
+                ],
                 aggregate_resources={"cpu": "1500m"},
                 priority=10,
-                interruption_penalty_bucket=PenaltyBucket.B8,
+                interruption_penalty_bucket=int(PenaltyBucket.B8),  # type: ignore[arg-type]
             )
         ],
     )
