@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", help="coordinator addresses HOST:PORT,...")
     p.add_argument("--advertise", help="address operators dial (defaults to --listen)")
     p.add_argument("--data-dir", help="holds the epoch file")
+    p.add_argument("--heartbeat-interval", type=float, help="seconds between coordinator reports")
     p.add_argument("--cycle-interval", type=float)
     p.add_argument("--min-cycle-gap", type=float)
     p.add_argument("--bootstrap-timeout", type=float)
@@ -114,10 +115,23 @@ async def serve(settings: Any) -> int:
     metrics_server = start_metrics_server(settings.metrics_listen, registry) if settings.metrics_listen else None
     await health.set("", SERVING)
     await health.set("bigfleet.v1alpha1.Shard", SERVING)
+    heartbeat_task: asyncio.Task[None] | None = None
+    coord_client = None
     if settings.coordinator:
-        log.warning(
-            "coordinator reporting not wired in this build; flag accepted", coordinator=settings.coordinator
+        from pathlib import Path
+
+        from bigfleet.coordinator.client import BaseInstructionHandler, CoordinatorClient, HeartbeatLoop
+
+        coord_client = CoordinatorClient([a for a in settings.coordinator.split(",") if a.strip()])
+        heartbeat = HeartbeatLoop(
+            coord_client, settings.shard_id, daemon.build_report, BaseInstructionHandler(),
+            interval=settings.heartbeat_interval, shard_address=settings.advertise or settings.listen,
+            shard_epoch=epoch, state_file=Path(settings.data_dir) / "coordinator-client.json",
         )
+        daemon.term_source = heartbeat.gate
+        heartbeat_task = asyncio.create_task(heartbeat.run(), name="coordinator-heartbeat")
+        log.info("reporting to the coordinator", coordinator=settings.coordinator,
+                 interval=settings.heartbeat_interval)
     log.info("shard serving", listen=settings.listen, port=port, provider=settings.provider, epoch=epoch,
              paused=settings.paused, dry_run=settings.dry_run)
     await daemon.start()
@@ -130,6 +144,11 @@ async def serve(settings: Any) -> int:
     log.info("shutting down")
     await health.enter_graceful_shutdown()
     await health.set("", NOT_SERVING)
+    if heartbeat_task is not None:
+        heartbeat_task.cancel()
+        await asyncio.gather(heartbeat_task, return_exceptions=True)
+    if coord_client is not None:
+        await coord_client.close()
     await daemon.stop(drain_timeout=5.0)
     await server.stop(grace=3.0)
     if metrics_server:

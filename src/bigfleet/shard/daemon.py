@@ -26,7 +26,7 @@ from bigfleet.shard.provider_client import ProviderClient, ProviderError
 from bigfleet.shard.sessions import OperatorSession, RollupOutcome, SessionRegistry, SessionServicer
 from bigfleet.shard.store import LocalDemandStore
 from bigfleet.shard.view import MachineView
-from bigfleet.v1alpha1 import capacity_pb2, provider_pb2
+from bigfleet.v1alpha1 import capacity_pb2, coordinator_pb2, provider_pb2
 
 log = get_logger("bigfleet.shard")
 
@@ -78,6 +78,7 @@ class ShardDaemon:
         self.dry_run = config.engine.dry_run
         self.metrics.paused.set(1 if self.paused else 0)
         self.coordinator_term = 0
+        self.term_source: Any = None  # set by the CLI to the heartbeat loop's instruction gate
         self.reconciled = asyncio.Event()
         self.last = CycleRecord()
         self.cycles = 0
@@ -91,6 +92,8 @@ class ShardDaemon:
     # -- wiring helpers ------------------------------------------------------------------------
 
     def _ack_info(self) -> tuple[int, int]:
+        if self.term_source is not None:
+            self.coordinator_term = max(self.coordinator_term, int(getattr(self.term_source, "high_water", 0)))
         return self.coordinator_term, self.config.epoch
 
     def _route_node_update(self, cluster_id: str, msg: Any) -> None:
@@ -328,6 +331,32 @@ class ShardDaemon:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.executor.drain_all(drain_timeout)
         await self.provider.close()
+
+    def build_report(self) -> coordinator_pb2.ShardReport:
+        """The heartbeat's payload: a small inventory summary and the last cycle's shortfalls."""
+        from bigfleet.shard.readsvc import shortfalls_to_proto
+
+        total = free = 0
+        per_type: dict[str, int] = {}
+        per_zone: dict[str, int] = {}
+        for pb in self.view.all():
+            total += 1
+            if pb.state in (S.MACHINE_STATE_IDLE, S.MACHINE_STATE_SPECULATIVE) and pb.id not in self.view.inflight:
+                free += 1
+            if pb.instance_type:
+                per_type[pb.instance_type] = per_type.get(pb.instance_type, 0) + 1
+            if pb.zone:
+                per_zone[pb.zone] = per_zone.get(pb.zone, 0) + 1
+        rec = self.last
+        return coordinator_pb2.ShardReport(
+            shard_id=self.config.shard_id,
+            shard_epoch=self.config.epoch,
+            summary=coordinator_pb2.ShardSummary(
+                total_machines=total, free_machines=free, per_instance_type_counts=per_type,
+                per_zone_counts=per_zone, provider_address=self.config.provider,
+            ),
+            shortfalls=shortfalls_to_proto(rec.decision.shortfalls if rec.decision else ())[:100],
+        )
 
     def set_actuation(self, paused: bool, dry_run: bool) -> None:
         self.paused, self.dry_run = paused, dry_run
