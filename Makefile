@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 PROTO_DIR := proto
 GEN_DIR   := src/bigfleet/v1alpha1
 
-.PHONY: install proto proto-check lint typecheck test test-fast bench fuzz soak e2e scale clean
+.PHONY: install proto proto-check lint typecheck test test-fast bench fuzz soak e2e scale clean helm-check sync-crds
 
 install: $(BIN)/bigfleet
 
@@ -37,6 +37,15 @@ test-fast:
 
 bench:
 	$(BIN)/python -m bench
+
+# Lint, render and schema-check every Helm chart with its defaults and each ci/*.yaml (pytest runs
+# the same checks in tests/deploy).
+helm-check:
+	$(BIN)/python tests/deploy/chartcheck.py
+
+# Copy the operator's CRDs into the operator chart (a test fails while the two differ).
+sync-crds:
+	cp deploy/crds/*.yaml deploy/helm/bigfleet-operator/crds/
 
 fuzz:
 	$(BIN)/python -m bigfleet.tools.fuzz --seconds $${FUZZ_SECONDS:-60}
