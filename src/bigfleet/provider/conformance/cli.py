@@ -1,0 +1,71 @@
+"""`bigfleet conformance`: certify a capacity provider against the contract.
+
+    bigfleet conformance --target 127.0.0.1:9400
+    bigfleet conformance --lanes core,fault,durability,scale \\
+        --provider-cmd "bigfleet fake-provider --listen {listen} --state-file {state_file} --seed-count {seed_count}"
+
+Exits 0 when no check failed (skips do not fail the run unless --strict).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from bigfleet.provider.conformance.runner import LANES, Params, Result, print_table, run_suite, write_junit
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bigfleet conformance", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="", help="HOST:PORT of a running provider (core and scale lanes)")
+    p.add_argument("--lanes", default="core", help=f"comma-separated lanes out of {','.join(LANES)} (default core)")
+    p.add_argument("--provider-cmd", default="",
+                   help="command line that starts the provider; placeholders {listen} {host} {port} {state_file} "
+                        "{seed_count}. Needed by the fault and durability lanes")
+    p.add_argument("--junit", default="", help="write JUnit XML here")
+    p.add_argument("--only", default="", help="comma-separated check ids to run (e.g. C201,C202)")
+    p.add_argument("--strict", action="store_true", help="a skipped check fails the run")
+    p.add_argument("--workdir", default="", help="where launched providers keep logs and state (default a temp dir)")
+    p.add_argument("--scale-machines", type=int, default=5000, help="machines the scale lane expects (default 5000)")
+    p.add_argument("--scale-burst", type=int, default=256, help="concurrent Creates in the scale burst")
+    p.add_argument("--list-budget", type=float, default=5.0, help="seconds allowed for a full List in scale")
+    p.add_argument("--rpc-budget-ms", type=float, default=250.0, help="p99 budget for Get and Create acks in scale")
+    p.add_argument("--fault-timeout", type=float, default=2.0,
+                   help="transition timeout the fault lane asks of the provider (BIGFLEET_CONFORMANCE_TRANSITION_"
+                        "TIMEOUT)")
+    p.add_argument("--settle-timeout", type=float, default=15.0, help="seconds a transition may take to settle")
+    p.add_argument("--quiet", action="store_true", help="print only the final table")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    lanes = [lane.strip() for lane in args.lanes.split(",") if lane.strip()]
+    unknown = [lane for lane in lanes if lane not in LANES]
+    if unknown:
+        print(f"bigfleet conformance: unknown lane(s) {unknown}; lanes are {', '.join(LANES)}", file=sys.stderr)
+        return 2
+    if not args.target and not args.provider_cmd:
+        print("bigfleet conformance: give --target HOST:PORT and/or --provider-cmd", file=sys.stderr)
+        return 2
+    params = Params(
+        fault_timeout=args.fault_timeout, scale_machines=args.scale_machines, scale_burst=args.scale_burst,
+        list_budget=args.list_budget, rpc_budget=args.rpc_budget_ms / 1000.0, settle_timeout=args.settle_timeout,
+    )
+
+    def progress(r: Result) -> None:
+        if not args.quiet:
+            print(f"  {r.lane:<11} {r.id:<6} {r.status.upper():<5} {r.seconds:6.2f}s  {r.title}", file=sys.stderr,
+                  flush=True)
+
+    only = {x.strip() for x in args.only.split(",") if x.strip()} or None
+    results = run_suite(args.target or None, lanes, args.provider_cmd or None, params,
+                        Path(args.workdir) if args.workdir else None, only, progress)
+    print_table(results, sys.stdout)
+    if args.junit:
+        write_junit(results, args.junit)
+    failed = any(r.status == "fail" for r in results)
+    skipped = any(r.status == "skip" for r in results)
+    return 1 if failed or (args.strict and skipped) else 0
