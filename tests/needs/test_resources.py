@@ -96,7 +96,7 @@ def test_zero_and_truthiness() -> None:
 def test_immutable_hashable_picklable() -> None:
     r = R(cpu=1000)
     with pytest.raises(AttributeError):
-        r._items = ()  # type: ignore[misc]
+        r._items = ()
     assert hash(r) == hash(Resources.parse({"cpu": "1"}))
     assert {r: 1}[Resources.parse({"cpu": "1000m"})] == 1
     assert pickle.loads(pickle.dumps(r)) == r
