@@ -68,23 +68,24 @@ class CoordinatorClient:
     (INVALID_ARGUMENT, NOT_FOUND, ...) are raised as they are.
     """
 
-    def __init__(self, addresses: Sequence[str], timeout: float = 5.0, credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(self, addresses: Sequence[str], timeout: float = 5.0, tls: Any = None) -> None:
         addrs = [a.strip() for a in addresses if a and a.strip()]
         if not addrs:
             raise ValueError("at least one coordinator address is required")
         self.addresses = addrs
         self.timeout = timeout
-        self.credentials = credentials
+        # A bigfleet.security.tls.TLSConfig, or None for plaintext.
+        self.tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._leader: str | None = None
 
     def _channel(self, addr: str) -> grpc.aio.Channel:
         ch = self._channels.get(addr)
         if ch is None:
-            if self.credentials is not None:
-                from bigfleet.rpc import channel_options
+            if self.tls is not None:
+                from bigfleet.security.tls import dial
 
-                ch = grpc.aio.secure_channel(addr, self.credentials, options=channel_options())
+                ch = dial(addr, self.tls)
             else:
                 ch = insecure_channel(addr)
             self._channels[addr] = ch
@@ -138,14 +139,16 @@ class CoordinatorClient:
         self._channels.clear()
 
 
-async def lookup_cluster(addresses: Sequence[str], cluster_id: str, timeout: float = 5.0) -> pb.LookupClusterResponse:
+async def lookup_cluster(
+    addresses: Sequence[str], cluster_id: str, timeout: float = 5.0, tls: Any = None
+) -> pb.LookupClusterResponse:
     """The shard serving ``cluster_id`` (binding it on first contact).
 
     Raises :class:`CoordinatorUnavailable` when no leader answers and
     ``grpc.aio.AioRpcError`` (UNAVAILABLE) while the cluster is being handed
     off; callers cache the last answer and keep using it meanwhile.
     """
-    client = CoordinatorClient(addresses, timeout=timeout)
+    client = CoordinatorClient(addresses, timeout=timeout, tls=tls)
     try:
         resp: pb.LookupClusterResponse = await client.call("LookupCluster", pb.LookupClusterRequest(cluster_id=cluster_id))
         return resp
