@@ -101,7 +101,7 @@ def test_ctl_commands_snapshot_and_restore(tmp_path: Path, capsys: pytest.Captur
         assert r.returncode == 0, r.stderr
         restored.start(0)
         restored.leader()
-        wait_until(lambda: state_of(restored, 0) == before, 20, what="restored state")  # type: ignore[arg-type]
+        wait_until(lambda: state_of(restored, 0) == before, 20, what="restored state")
         new_term = restored.call(0, "ReportShard", pb.ShardReport(shard_id="shard-0")).coordinator_term  # type: ignore[attr-defined]
         assert new_term > old_term, "the coordinator term must not regress across a restore (shards fence on it)"
         # A corrupt archive is refused with a clear error.
