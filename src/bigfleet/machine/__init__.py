@@ -27,10 +27,12 @@ from bigfleet.machine.state import (
 )
 from bigfleet.machine.validate import check_cost_fields, check_invariant, rejection_reason
 from bigfleet.machine.wire import (
+    HOSTNAME_LABEL,
     META_ASSIGNED_PRIORITY,
     META_GROUP,
     META_INTERRUPTION_PENALTY,
     META_NEED_FINGERPRINT,
+    META_NODE_NAME,
     META_RECLAMATION_PENALTY,
     WELL_KNOWN_METADATA_KEYS,
     DecodedMetadata,
@@ -47,11 +49,13 @@ __all__ = [
     "ALL_STATES",
     "DEFAULT_INTERNER",
     "EMPTY_LABELS",
+    "HOSTNAME_LABEL",
     "INSTANCE_TYPE_LABEL",
     "META_ASSIGNED_PRIORITY",
     "META_GROUP",
     "META_INTERRUPTION_PENALTY",
     "META_NEED_FINGERPRINT",
+    "META_NODE_NAME",
     "META_RECLAMATION_PENALTY",
     "NO_ASSIGNMENT",
     "STABLE_STATES",

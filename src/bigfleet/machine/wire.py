@@ -25,6 +25,11 @@ META_INTERRUPTION_PENALTY = META_PREFIX + "assigned-interruption-penalty-dollars
 META_RECLAMATION_PENALTY = META_PREFIX + "assigned-reclamation-penalty-dollars"
 META_NEED_FINGERPRINT = META_PREFIX + "assigned-need-fingerprint"
 META_GROUP = META_PREFIX + "assigned-group"
+#: The Kubernetes node name the shard learned (from the operator) for a machine, stored so it survives
+#: restarts when the provider does not report a hostname label.
+META_NODE_NAME = META_PREFIX + "node-name"
+#: Provider label carrying the node name (preferred over the metadata copy).
+HOSTNAME_LABEL = "kubernetes.io/hostname"
 WELL_KNOWN_METADATA_KEYS = (
     META_ASSIGNED_PRIORITY,
     META_INTERRUPTION_PENALTY,
@@ -205,7 +210,8 @@ def machine_from_proto(
     Checks: id present, state and capacity type inside their enums, price finite and ≥ 0,
     interruption probability in [0, 1], quantities well-formed and non-negative, label sizes, and the
     per-state structure (`check_invariant`). Well-known shard_metadata is decoded into the
-    assignment; malformed metadata values are skipped.
+    assignment; malformed metadata values are skipped. The node name comes from the
+    ``kubernetes.io/hostname`` label, else from ``bigfleet.lucy.sh/node-name`` metadata.
     """
     it = interner or DEFAULT_INTERNER
     mid = _text(pb.id, "id")
@@ -234,6 +240,9 @@ def machine_from_proto(
         it.intern("resources", allocatable),
     )
     assignment = decode_shard_metadata(pb.shard_metadata).apply_to(Assignment())
+    node = labels.get(HOSTNAME_LABEL) or pb.shard_metadata.get(META_NODE_NAME, "")
+    if len(node) > MAX_TEXT_LEN or not node.isprintable():
+        node = ""  # like any malformed metadata value: skipped, not fatal
     m = Machine(
         mid,
         MachineState(raw_state),
@@ -242,6 +251,7 @@ def machine_from_proto(
         cluster=_text(pb.cluster, "cluster"),
         host_provider=_text(pb.host.provider, "host.provider"),
         host_ref=_text(pb.host.ref, "host.ref", 1024),
+        node_name=node,
         last_error=_text(pb.last_error, "last_error", 1 << 16).replace("\x00", ""),
         state_since_unix_nanos=now_unix_nanos,
         interner=it,
@@ -251,11 +261,14 @@ def machine_from_proto(
 
 
 def machine_to_proto(m: Machine, *, extra_metadata: Mapping[str, str] | None = None) -> provider_pb2.Machine:
-    """The provider `Machine` for `m`; the assignment (if any) is encoded into shard_metadata."""
+    """The provider `Machine` for `m`; the assignment (if any) and a node name the provider's labels
+    do not already carry are encoded into shard_metadata."""
     s = m.shape
     md: dict[str, str] = dict(extra_metadata or {})
     if m.assignment.need_fingerprint or m.cluster or not m.assignment.is_empty:
         md.update(encode_shard_metadata(m.assignment))
+    if m.node_name and s.labels.get(HOSTNAME_LABEL) != m.node_name:
+        md[META_NODE_NAME] = m.node_name
     pb = provider_pb2.Machine(
         id=m.id,
         state=int(m.state),  # type: ignore[arg-type]

@@ -1,0 +1,217 @@
+"""Inventory: validated writes, transitions, and indexes that never disagree with the records."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bigfleet.machine import (
+    ZONE_LABEL,
+    DuplicateMachine,
+    IllegalTransition,
+    Inventory,
+    MachineState,
+    UnknownMachine,
+    ValidationError,
+    can_transition,
+)
+
+from .helpers import valid_machine
+
+S = MachineState
+
+
+def check_indexes(inv: Inventory) -> None:
+    """Every index agrees with the id map: each machine is in exactly the buckets its fields say."""
+    all_ms = {m.id: m for m in inv}
+    assert len(all_ms) == len(inv)
+    seen = 0
+    for s in S:
+        for m in inv.by_state(s):
+            assert m.state is s and all_ms[m.id] is m
+            seen += 1
+    assert seen == len(inv)
+    assert sum(inv.counts().values()) == len(inv)
+    for c in inv.clusters():
+        bound = inv.by_cluster(c)
+        assert bound and all(m.cluster == c and all_ms[m.id] is m for m in bound)
+    assert sum(len(inv.by_cluster(c)) for c in inv.clusters()) == sum(1 for m in inv if m.cluster)
+    assert sum(n for _, n in inv.label_sets()) == len(inv)
+
+
+def test_add_get_remove() -> None:
+    inv = Inventory()
+    m = inv.add(valid_machine("a", S.IDLE))
+    assert inv.get("a") is m and inv["a"] is m and "a" in inv and len(inv) == 1
+    with pytest.raises(DuplicateMachine):
+        inv.add(valid_machine("a", S.IDLE))
+    with pytest.raises(ValidationError):
+        inv.add(valid_machine("b", S.CONFIGURED, cluster=""))
+    assert "b" not in inv
+    assert inv.remove("a") is m and inv.remove("a") is None
+    with pytest.raises(UnknownMachine):
+        inv["a"]
+    assert inv.get("a") is None and len(inv) == 0
+    check_indexes(inv)
+
+
+def test_full_lifecycle_through_transitions() -> None:
+    inv = Inventory([valid_machine("m", S.SPECULATIVE)])
+    inv.transition("m", S.CREATING, 1)
+    inv.transition("m", S.IDLE, 2, host_provider="fake", host_ref="h1")
+    inv.transition("m", S.CONFIGURING, 3, cluster="c1", assigned_need_fingerprint="fp", assigned_priority=50)
+    m = inv.transition("m", S.CONFIGURED, 4, node_name="node-1", assigned_interruption_penalty_dollars=8.0)
+    assert m.state_since_unix_nanos == 4 and m.assigned_priority == 50 and m.node_name == "node-1"
+    assert [x.id for x in inv.by_cluster("c1")] == ["m"]
+    assert [x.id for x in inv.by_cluster("c1", S.CONFIGURED)] == ["m"] and inv.by_cluster("c1", S.IDLE) == []
+    inv.transition("m", S.DRAINING, 5)
+    m = inv.transition("m", S.IDLE, 6, cluster="", assigned_priority=0, assigned_need_fingerprint="",
+                       assigned_interruption_penalty_dollars=0.0)
+    assert inv.by_cluster("c1") == [] and inv.clusters() == []
+    assert m.assignment.is_empty
+    inv.transition("m", S.DELETING, 7)
+    m = inv.transition("m", S.SPECULATIVE, 8, host_provider="", host_ref="", node_name="")
+    assert m.state is S.SPECULATIVE and inv.count(S.SPECULATIVE) == 1
+    check_indexes(inv)
+
+
+def test_failed_transition_changes_nothing() -> None:
+    inv = Inventory([valid_machine("m", S.IDLE)])
+    before = inv["m"]
+    gen = inv.generation
+    with pytest.raises(IllegalTransition):
+        inv.transition("m", S.CONFIGURED, 9, cluster="c1")
+    with pytest.raises(ValidationError):
+        inv.transition("m", S.CONFIGURING, 9, host_provider="", host_ref="")  # would break the invariant
+    with pytest.raises(UnknownMachine):
+        inv.transition("nope", S.IDLE, 9)
+    assert inv["m"] is before and inv.generation == gen
+    check_indexes(inv)
+
+
+def test_failed_is_terminal_in_the_inventory() -> None:
+    inv = Inventory([valid_machine("m", S.CREATING)])
+    inv.transition("m", S.FAILED, 1, last_error="quota")
+    for s in S:
+        with pytest.raises(IllegalTransition):
+            inv.transition("m", s, 2, last_error="x")
+    assert inv.remove("m") is not None  # only removal (out of band) gets rid of it
+
+
+def test_upsert_keeps_stamp_on_same_state_and_stamps_entry() -> None:
+    inv = Inventory()
+    m = inv.upsert(valid_machine("m", S.IDLE), 100)
+    assert m.state_since_unix_nanos == 100
+    m = inv.upsert(valid_machine("m", S.IDLE, node_name="n"), 200)  # a merge
+    assert m.state_since_unix_nanos == 100 and m.node_name == "n"
+    m = inv.upsert(valid_machine("m", S.CONFIGURED), 300)  # provider jumped; reconcile accepts
+    assert m.state_since_unix_nanos == 300 and inv.count(S.IDLE) == 0
+    with pytest.raises(IllegalTransition):
+        inv.apply(valid_machine("m", S.IDLE), 400)  # the shard's own writes are checked
+    with pytest.raises(ValidationError):
+        inv.upsert(valid_machine("m", S.CONFIGURED, cluster=""), 500)
+    assert inv["m"].state is S.CONFIGURED
+    gen = inv.generation
+    assert inv.upsert(inv["m"], 600) is inv["m"] and inv.generation == gen  # no-op
+    check_indexes(inv)
+
+
+def test_update_is_a_merge_only() -> None:
+    inv = Inventory([valid_machine("m", S.CONFIGURED)])
+    m = inv.update("m", node_name="node-9")
+    assert m.node_name == "node-9"
+    with pytest.raises(ValueError):
+        inv.update("m", state=S.DRAINING)
+    with pytest.raises(ValidationError):
+        inv.update("m", cluster="")
+    with pytest.raises(UnknownMachine):
+        inv.update("x", node_name="n")
+
+
+def test_label_index() -> None:
+    inv = Inventory(
+        [
+            valid_machine("a", S.IDLE, labels={"pool": "gpu"}),
+            valid_machine("b", S.IDLE, labels={"pool": "gpu"}),
+            valid_machine("c", S.IDLE, labels={"pool": "cpu"}, zone="eu-1b"),
+            valid_machine("d", S.SPECULATIVE, labels={}),
+        ]
+    )
+    assert sorted(m.id for m in inv.by_label("pool", "gpu")) == ["a", "b"]
+    assert sorted(m.id for m in inv.by_label("pool")) == ["a", "b", "c"]
+    assert sorted(m.id for m in inv.by_label(ZONE_LABEL, "eu-1a")) == ["a", "b", "d"]
+    assert inv.by_label("nope") == []
+    assert len(inv.label_sets()) == 3
+
+
+def test_copy_is_independent() -> None:
+    inv = Inventory([valid_machine("a", S.IDLE)])
+    snap = inv.copy()
+    inv.transition("a", S.CONFIGURING, 1, cluster="c")
+    assert snap["a"].state is S.IDLE and inv["a"].state is S.CONFIGURING
+    assert snap.by_cluster("c") == [] and len(inv.by_cluster("c")) == 1
+    check_indexes(snap)
+    check_indexes(inv)
+
+
+def test_counts_and_ids() -> None:
+    inv = Inventory([valid_machine(f"m{i}", s) for i, s in enumerate([S.IDLE, S.IDLE, S.CONFIGURED, S.FAILED])])
+    counts = inv.counts()
+    assert counts[S.IDLE] == 2 and counts[S.CONFIGURED] == 1 and counts[S.FAILED] == 1 and counts[S.DRAINING] == 0
+    assert len(counts) == 8
+    assert inv.ids() == ["m0", "m1", "m2", "m3"]
+    assert inv.count_by_cluster_state() == {("c1", S.CONFIGURED): 1}
+    assert pickle.loads(pickle.dumps(list(inv))) == list(inv)
+
+
+@settings(max_examples=60)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "transition", "remove", "upsert"]),
+            st.sampled_from(["m0", "m1", "m2", "m3"]),
+            st.sampled_from([s for s in S if s is not S.UNSPECIFIED]),
+            st.sampled_from(["c1", "c2"]),
+        ),
+        max_size=40,
+    )
+)
+def test_random_operations_never_lose_or_duplicate(ops: list[tuple[str, str, MachineState, str]]) -> None:
+    """Whatever sequence of (possibly illegal) writes arrives, the inventory matches a plain model."""
+    inv = Inventory()
+    model: dict[str, MachineState] = {}
+    for now, (op, mid, state, cluster) in enumerate(ops):
+        try:
+            if op == "add":
+                inv.add(valid_machine(mid, state, **({"cluster": cluster} if state in (S.CONFIGURED, S.DRAINING) else {})))
+                assert mid not in model
+                model[mid] = state
+            elif op == "upsert":
+                inv.upsert(valid_machine(mid, state), now)
+                model[mid] = state
+            elif op == "remove":
+                assert (inv.remove(mid) is not None) == (mid in model)
+                model.pop(mid, None)
+            else:
+                over: dict[str, object] = {}
+                if state not in (S.SPECULATIVE, S.CREATING):
+                    over.update(host_provider="p", host_ref="r")
+                else:
+                    over.update(host_provider="", host_ref="")
+                over["cluster"] = cluster if state in (S.CONFIGURING, S.CONFIGURED, S.DRAINING) else ""
+                if state is S.FAILED:
+                    over["last_error"] = "e"
+                inv.transition(mid, state, now, **over)
+                assert mid in model and can_transition(model[mid], state)
+                model[mid] = state
+        except DuplicateMachine:
+            assert mid in model
+        except UnknownMachine:
+            assert mid not in model
+        except IllegalTransition:
+            assert mid in model and not can_transition(model[mid], state)
+        assert {m.id: m.state for m in inv} == model
+        check_indexes(inv)
