@@ -30,6 +30,10 @@ class StandInShard(BaseInstructionHandler):
         self.released: dict[str, list[str]] = {}
         self.adopt_gate: asyncio.Event | None = None
         self.cycles = 0
+        # Inventory rebalancing: idle machines this shard owns, and an unmet need it reports.
+        self.idle: set[str] = set()
+        self.shortfall: pb.Shortfall | None = None
+        self.inventory_releases: dict[str, list[str]] = {}
         self.client = CoordinatorClient(addresses, timeout=2.0)
         self.loop = HeartbeatLoop(
             self.client, shard_id, self.report, self, interval=interval, shard_address=f"{shard_id}.test:7780"
@@ -43,9 +47,39 @@ class StandInShard(BaseInstructionHandler):
         for m in machines:
             self.reg.machine_owner[m] = self.shard_id
 
+    def give_idle(self, machines: list[str]) -> None:
+        self.idle.update(machines)
+        for m in machines:
+            self.reg.machine_owner[m] = self.shard_id
+
     def report(self) -> pb.ShardReport:
-        total = sum(len(m) for m in self.clusters.values())
-        return pb.ShardReport(summary=pb.ShardSummary(total_machines=total, free_machines=0))
+        total = sum(len(m) for m in self.clusters.values()) + len(self.idle)
+        rep = pb.ShardReport(summary=pb.ShardSummary(total_machines=total, free_machines=len(self.idle)))
+        if self.shortfall is not None:
+            rep.shortfalls.append(self.shortfall)
+        return rep
+
+    async def release_inventory(self, msg: pb.TransferOwnership) -> list[str]:
+        if msg.transfer_id in self.inventory_releases:
+            return self.inventory_releases[msg.transfer_id]
+        want = 2  # a real shard sizes this from msg.deficit and msg.requirements
+        give = sorted(self.idle)[:want]
+        for m in give:
+            self.idle.discard(m)
+            if self.reg.machine_owner.get(m) != self.shard_id:
+                self.reg.violations.append(f"{self.shard_id} released idle {m} it did not own")
+            self.reg.machine_owner[m] = None
+        self.inventory_releases[msg.transfer_id] = give
+        return give
+
+    async def adopt_inventory(self, msg: pb.TransferOwnership) -> None:
+        for m in msg.machine_ids:
+            mo = self.reg.machine_owner.get(m)
+            if mo not in (None, self.shard_id):
+                self.reg.violations.append(f"{self.shard_id} adopted idle {m} owned by {mo}")
+            self.reg.machine_owner[m] = self.shard_id
+            self.idle.add(m)
+        self.shortfall = None  # the need is met now
 
     async def _cycle(self) -> None:
         # Stands in for the decision loop: it must keep going whatever the coordinator does.

@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from bigfleet.coordinator.localgroup import CoordGroup
 from bigfleet.ctl.main import main as ctl
 from bigfleet.v1alpha1 import coordinator_pb2 as pb
-
-from .group import CoordGroup
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,9 @@ import grpc
 import pytest
 
 from bigfleet.coordinator.client import CoordinatorClient, CoordinatorUnavailable, lookup_cluster
+from bigfleet.coordinator.localgroup import CoordGroup
 from bigfleet.v1alpha1 import coordinator_pb2 as pb
 
-from .group import CoordGroup
 from .standin import Registry, StandInShard
 
 pytestmark = pytest.mark.slow

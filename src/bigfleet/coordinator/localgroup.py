@@ -1,4 +1,4 @@
-"""A group of real `bigfleet coordinator` processes on loopback, for end-to-end tests and benchmarks."""
+"""A group of real `bigfleet coordinator` processes on loopback (tests, benchmarks, local demos)."""
 
 from __future__ import annotations
 
