@@ -51,18 +51,18 @@ Vec = tuple[int, ...]
 
 
 def _sub(a: Vec, b: Vec) -> Vec:
-    return tuple(x - y if x > y else 0 for x, y in zip(a, b, strict=True))
+    return tuple([x - y if x > y else 0 for x, y in zip(a, b, strict=False)])
 
 
 def _covers(have: Vec, want: Vec) -> bool:
-    for h, w in zip(have, want, strict=True):  # noqa: SIM110 - an explicit loop is faster
+    for h, w in zip(have, want, strict=False):  # noqa: SIM110 - an explicit loop is faster
         if h < w:
             return False
     return True
 
 
 def _add(a: Vec, b: Vec) -> Vec:
-    return tuple(x + y for x, y in zip(a, b, strict=True))
+    return tuple([x + y for x, y in zip(a, b, strict=False)])
 
 
 class _N:
@@ -148,6 +148,9 @@ class _Cycle:
         self.taken: dict[tuple[int, int], int] = {}
         self.vused: dict[tuple[int, int], int] = {}
         self.zero: Vec = tuple(0 for _ in dims)
+        self._eligible: dict[tuple[tuple[Requirement, ...], Vec], list[MClass]] = {}
+        self._domains: dict[tuple[tuple[Requirement, ...], Vec, str], list[tuple[str, list[MClass]]]] = {}
+        self._bound: dict[tuple[str, int, tuple[Requirement, ...], Vec], list[tuple[MClass, list[Machine]]]] = {}
 
     # --- pool cursors ---------------------------------------------------------------------------
 
@@ -176,10 +179,29 @@ class _Cycle:
             self.taken[key] = self.taken.get(key, 0) + 1
 
     def eligible(self, n: _N) -> list[MClass]:
-        """Classes matching the need's requirements whose allocatable covers its MinUnit."""
-        alloc = self.alloc
-        minu = n.minu
-        return [c for c in self.ix.matched_classes(n.reqs) if _covers(alloc[c.idx], minu)]
+        """Classes matching the need's requirements whose allocatable covers its MinUnit (cached)."""
+        k = (n.reqs, n.minu)
+        got = self._eligible.get(k)
+        if got is None:
+            alloc = self.alloc
+            minu = n.minu
+            got = [c for c in self.ix.matched_classes(n.reqs) if _covers(alloc[c.idx], minu)]
+            self._eligible[k] = got
+        return got
+
+    def domains(self, n: _N, key: str) -> list[tuple[str, list[MClass]]]:
+        """Eligible classes grouped by their value of `key` (classes without the key dropped)."""
+        k = (n.reqs, n.minu, key)
+        got = self._domains.get(k)
+        if got is None:
+            by: dict[str, list[MClass]] = {}
+            for c in self.eligible(n):
+                v = c.attrs.get(key)
+                if v is not None:
+                    by.setdefault(v, []).append(c)
+            got = [(v, sorted(cl, key=lambda c: c.sort_key)) for v, cl in sorted(by.items())]
+            self._domains[k] = got
+        return got
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,21 +232,26 @@ def normalize(needs: Sequence[Need], ix: Index) -> tuple[list[tuple[Need, list[N
     out: list[tuple[Need, list[Need]]] = []
     groups: dict[tuple[str, str, Resources], list[Need]] = {}
     stripped: dict[tuple[str, str, Resources], Profile] = {}
+    strip_memo: dict[tuple[Any, ...], Profile] = {}
     free_classes = {ci for (st, ci) in ix.pool}
-    memo: dict[tuple[str, str, Resources], bool] = {}
+    own_memo: dict[str, set[int]] = {}
+    memo: dict[tuple[str, tuple[Requirement, ...], Resources], bool] = {}
     folded = 0
     for n in needs:
         p = n.profile
         if p.same is None or n.aggregate_resources.is_zero():
             out.append((n, [n]))
             continue
-        mk = (n.cluster_id, p.fingerprint(), n.aggregate_resources)
+        agg = n.aggregate_resources
+        mk = (n.cluster_id, p.requirements, agg)
         ok = memo.get(mk)
         if ok is None:
             ok = False
-            agg = n.aggregate_resources
-            own = ix.bound.get(n.cluster_id, {})
-            own_classes = set(own.get(CONFIGURED, {})) | set(own.get(CONFIGURING, {}))
+            own_classes = own_memo.get(n.cluster_id)
+            if own_classes is None:
+                own = ix.bound.get(n.cluster_id, {})
+                own_classes = set(own.get(CONFIGURED, {})) | set(own.get(CONFIGURING, {}))
+                own_memo[n.cluster_id] = own_classes
             for c in ix.matched_classes(p.requirements):
                 if (c.idx in free_classes or c.idx in own_classes) and agg.fits_in(c.alloc):
                     ok = True
@@ -233,8 +260,11 @@ def normalize(needs: Sequence[Need], ix: Index) -> tuple[list[tuple[Need, list[N
         if not ok:
             out.append((n, [n]))
             continue
-        sp = _strip_same(p)
-        gk = (n.cluster_id, sp.fingerprint(), n.aggregate_resources)
+        sk = (p.requirements, p.spread, p.priority, p.interruption_bucket, p.reclamation_bucket)
+        sp = strip_memo.get(sk)
+        if sp is None:
+            sp = strip_memo[sk] = _strip_same(p)
+        gk = (n.cluster_id, sp.fingerprint(), agg)
         stripped[gk] = sp
         groups.setdefault(gk, []).append(n)
         folded += 1
@@ -259,14 +289,13 @@ def _bound_lists(cy: _Cycle, n: _N, state: int) -> list[tuple[MClass, list[Machi
     by_class = cy.ix.bound.get(n.cluster, {}).get(state)
     if not by_class:
         return []
-    alloc = cy.alloc
-    out = []
-    for c in cy.ix.matched_classes(n.reqs):
-        lst = by_class.get(c.idx)
-        if lst and _covers(alloc[c.idx], n.minu):
-            out.append((c, lst))
-    out.sort(key=lambda t: (t[0].price, t[0].idx))
-    return out
+    k = (n.cluster, state, n.reqs, n.minu)
+    got = cy._bound.get(k)
+    if got is None:
+        got = [(c, by_class[c.idx]) for c in cy.eligible(n) if c.idx in by_class]
+        got.sort(key=lambda t: (t[0].price, t[0].idx))
+        cy._bound[k] = got
+    return got
 
 
 def _keep_stream(cy: _Cycle, lists: list[tuple[MClass, list[Machine]]]) -> Iterable[tuple[MClass, Machine]]:
@@ -341,7 +370,7 @@ class _Bucket:
 
 def _score(total: Vec, deficit: Vec, capped: bool) -> float:
     s = 0.0
-    for t, d in zip(total, deficit, strict=True):
+    for t, d in zip(total, deficit, strict=False):
         if d > 0:
             r = t / d
             s += min(r, 1.0) if capped else r
@@ -357,8 +386,8 @@ def choose_same_bucket(buckets: Iterable[_Bucket], deficit: Vec) -> _Bucket | No
             continue
         sat = _covers(b.total, deficit)
         score = _score(b.total, deficit, not sat)
-        cred = _score(b.cred, deficit, True)
-        own = _score(b.cred_own, deficit, True)
+        cred = _score(b.cred, deficit, True) if any(b.cred) else 0.0
+        own = _score(b.cred_own, deficit, True) if any(b.cred_own) else 0.0
         # smaller tuple wins
         if sat:
             k: tuple[Any, ...] = (0, -cred, -own, score, 0.0, -b.count, b.value)
@@ -393,19 +422,23 @@ def _credit_same(cy: _Cycle, n: _N, sticky: str | None) -> None:
                 b.cred_own = _add(b.cred_own, a)
             b.members.append((c, m, own))
     if not n.parked:
-        for state in (IDLE, SPEC):
-            for c in cy.eligible(n):
-                v = c.attrs.get(key)
-                if v is None:
-                    continue
-                avail = cy.available((state, c.idx))
-                if avail <= 0:
-                    continue
-                b = buckets.get(v)
-                if b is None:
-                    b = buckets[v] = _Bucket(v, zero)
-                b.count += avail
-                b.total = _add(b.total, tuple(x * avail for x in alloc[c.idx]))
+        for v, classes in cy.domains(n, key):
+            count = 0
+            total = None
+            for c in classes:
+                for state in (IDLE, SPEC):
+                    avail = cy.available((state, c.idx))
+                    if avail > 0:
+                        count += avail
+                        a = tuple([x * avail for x in alloc[c.idx]])
+                        total = a if total is None else _add(total, a)
+            if total is None:
+                continue
+            b = buckets.get(v)
+            if b is None:
+                b = buckets[v] = _Bucket(v, zero)
+            b.count += count
+            b.total = _add(b.total, total)
     if not buckets:
         return
     best: _Bucket | None = None
@@ -428,21 +461,31 @@ def _credit_same(cy: _Cycle, n: _N, sticky: str | None) -> None:
     if any(n.remaining) and not n.parked:
         # Virtually reserve the chosen domain's free supply so needs ranked later see what is left.
         rem = n.remaining
+        dom_classes = next((cl for v, cl in cy.domains(n, key) if v == best.value), [])
         for state in (IDLE, SPEC):
-            for c in cy.eligible(n):
-                if c.attrs.get(key) != best.value:
-                    continue
+            for c in dom_classes:
                 k = (state, c.idx)
                 avail = cy.available(k)
                 a = alloc[c.idx]
-                used = 0
-                while avail > used and any(rem):
-                    rem = _sub(rem, a)
-                    used += 1
+                used = _units_to_cover(rem, a, avail)
                 if used:
+                    rem = _sub(rem, tuple([x * used for x in a]))
                     cy.vused[k] = cy.vused.get(k, 0) + used
                 if not any(rem):
                     return
+
+
+def _units_to_cover(rem: Vec, unit: Vec, limit: int) -> int:
+    """How many machines of allocatable `unit` (at most `limit`) it takes to cover `rem`."""
+    need = 0
+    for r, u in zip(rem, unit, strict=False):
+        if r > 0:
+            if u <= 0:
+                return limit
+            k = -(-r // u)
+            if k > need:
+                need = k
+    return min(need, limit)
 
 
 def _ordered_classes(cy: _Cycle, classes: list[MClass], state: int, penalty: float) -> list[list[MClass]]:

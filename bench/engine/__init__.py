@@ -1,0 +1,1 @@
+"""Shape generators for the decision-engine benchmarks (also used by tests at small sizes)."""
