@@ -104,7 +104,7 @@ def nsu(mid: str, state: int, **kw: Any) -> shard_pb2.ShardMessage:
 async def test_upcoming_node_lifecycle(kube: KubeTestServer, api: Any, shard: FakeShard) -> None:
     s = kube.store
     ms = provider_pb2
-    async with running(make_op(api, shard)):
+    async with running(make_op(api, shard)) as op:
         await eventually(lambda: "c1" in shard.conns, what="session")
         shard.send("c1", nsu("m-1", ms.MACHINE_STATE_CREATING, labels={"zone": "a"},
                              resources=provider_pb2.Resources(resources={"cpu": "4000m", "memory": "16Gi"})))
@@ -128,8 +128,12 @@ async def test_upcoming_node_lifecycle(kube: KubeTestServer, api: Any, shard: Fa
         await eventually(lambda: s.find("upcomingnodes", "un-m-1")["status"]["phase"] == "Draining", what="Draining")
         shard.send("c1", nsu("m-1", ms.MACHINE_STATE_IDLE))
         await eventually(lambda: s.find("upcomingnodes", "un-m-1") is None, what="deleted after drain")
+        handled = op.session.coalescer.handled
+        shard.send("c1", nsu("m-1", ms.MACHINE_STATE_IDLE))  # a replayed Idle (resync) does not resurrect it
+        await eventually(lambda: op.session.coalescer.handled > handled, what="replayed Idle handled")
         # A failed machine keeps its error.
         shard.send("c1", nsu("Weird_ID.7", ms.MACHINE_STATE_FAILED, last_error="boom"))
+        assert s.find("upcomingnodes", "un-m-1") is None
         failed = await eventually(lambda: [o for o in s.objects("upcomingnodes")
                                            if (o.get("status") or {}).get("phase") == "Failed"], what="Failed")
         assert failed[0]["status"]["lastError"] == "boom"  # type: ignore[index]

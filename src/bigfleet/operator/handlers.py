@@ -21,8 +21,13 @@ from bigfleet.observability import get_logger
 from bigfleet.operator.crds import AVAILABLE_CAPACITIES, CAPACITY_REQUESTS, GROUP, UPCOMING_NODES, VERSION
 from bigfleet.operator.kube import MERGE_PATCH, Informer, status_code, with_retries
 from bigfleet.operator.metrics import OperatorMetrics
-from bigfleet.operator.upcoming import available_capacity_object, plan_upcoming, upcoming_object
-from bigfleet.v1alpha1 import shard_pb2
+from bigfleet.operator.upcoming import (
+    available_capacity_object,
+    plan_upcoming,
+    upcoming_name,
+    upcoming_object,
+)
+from bigfleet.v1alpha1 import provider_pb2, shard_pb2
 
 log = get_logger("bigfleet.operator.handlers")
 EVICTION_RETRY_SECONDS = 2.0
@@ -56,6 +61,13 @@ class ClusterWriter:
         self.upcoming_cache = upcoming_cache
         self.eviction_retry = eviction_retry
         self.drains: set[asyncio.Task[bool]] = set()
+        # UpcomingNodes deleted after a drain (bounded, oldest forgotten first): see plan_upcoming.
+        self.drained_names: dict[str, None] = {}
+
+    def _remember_drained(self, name: str) -> None:
+        self.drained_names[name] = None
+        while len(self.drained_names) > 10_000:
+            del self.drained_names[next(iter(self.drained_names))]
 
     # -- CapacityRequest acknowledgements -------------------------------------------------------
     async def acknowledge(self, keys: list[tuple[str, str]], concurrency: int = 16) -> int:
@@ -119,8 +131,13 @@ class ClusterWriter:
     async def _apply_node_state_once(self, u: shard_pb2.NodeStateUpdate) -> str:
         if not u.machine_id:
             return "ignored"
-        current = await self._get_upcoming(plan_upcoming(u, None, "").name)
-        plan = plan_upcoming(u, current, rfc3339())
+        name = upcoming_name(u.machine_id)
+        current = await self._get_upcoming(name)
+        plan = plan_upcoming(u, current, rfc3339(), drained=name in self.drained_names)
+        if int(u.state) != provider_pb2.MACHINE_STATE_IDLE:
+            self.drained_names.pop(name, None)
+        if plan.delete:
+            self._remember_drained(name)
         if plan.create:
             await self._write("create", lambda: self.co.create_cluster_custom_object(
                 GROUP, VERSION, UPCOMING_NODES, upcoming_object(plan)))
@@ -154,8 +171,6 @@ class ClusterWriter:
         out = [o["metadata"]["name"] for o in items
                if (((o.get("status") or {}).get("nodeRef") or {}).get("name")) == node]
         if not out:
-            from bigfleet.operator.upcoming import upcoming_name
-
             fallback = upcoming_name(node)
             if any(o["metadata"]["name"] == fallback for o in items):
                 out.append(fallback)
@@ -168,6 +183,7 @@ class ClusterWriter:
                     GROUP, VERSION, UPCOMING_NODES, n, {"status": status}, _content_type=MERGE_PATCH),
                     what="UpcomingNode status")
                 if delete:
+                    self._remember_drained(name)
                     await self.co.delete_cluster_custom_object(GROUP, VERSION, UPCOMING_NODES, name)
             except Exception as exc:
                 if status_code(exc) != 404:

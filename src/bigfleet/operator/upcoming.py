@@ -95,11 +95,17 @@ class UpcomingPlan:
     phase: str
 
 
-def plan_upcoming(u: shard_pb2.NodeStateUpdate, current: dict[str, Any] | None, now_rfc3339: str) -> UpcomingPlan:
+def plan_upcoming(
+    u: shard_pb2.NodeStateUpdate, current: dict[str, Any] | None, now_rfc3339: str, *, drained: bool = False
+) -> UpcomingPlan:
+    """``drained``: this machine's UpcomingNode was deleted after a drain here, so a later Idle frame is
+    the machine leaving the cluster (not a new one being launched for it) and must not recreate it."""
     name = upcoming_name(u.machine_id)
     cur_status = (current or {}).get("status") or {}
     cur_phase = cur_status.get("phase")
     phase = PHASE_BY_STATE.get(int(u.state), "Provisioning")
+    if current is None and drained and int(u.state) == _MS.MACHINE_STATE_IDLE:
+        return UpcomingPlan(name, False, None, None, False, "Drained")
     if int(u.state) == _MS.MACHINE_STATE_IDLE and cur_phase in ("Draining", "Drained"):
         # The machine came back to Idle after a drain: this cluster is done with it.
         return UpcomingPlan(name, False, None, {"phase": "Drained"} if cur_phase != "Drained" else None,
