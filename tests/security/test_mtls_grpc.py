@@ -218,3 +218,53 @@ async def test_rotation_is_picked_up_and_half_written_pair_is_ignored(pki: Pki, 
         assert await ok_with(ca2_file)
     finally:
         await srv.stop(None)
+
+
+async def test_denied_call_never_reaches_the_handler_and_is_counted(pki: Pki) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from bigfleet.rpc import new_server
+    from bigfleet.security import COORDINATOR_POLICY, RoleInterceptor, add_port
+
+    from .servers import Coordinator
+
+    registry = CollectorRegistry()
+    srv, _ = new_server(interceptors=[RoleInterceptor(COORDINATOR_POLICY, registry=registry, component="coordinator")])
+    coord = Coordinator()  # type: ignore[abstract]
+    cgrpc.add_CoordinatorServicer_to_server(coord, srv)
+    port = add_port(srv, "127.0.0.1:0", cfg(pki, "shard-0"))
+    await srv.start()
+    try:
+        req = cpb.AssignDomainRequest(topology_key="zone", topology_value="a", shard_id="shard-0")
+        assert await call_code(pki, port, "readonly", "AssignDomain", req) == PD
+        assert coord.domains == []
+        value = registry.get_sample_value(
+            "bigfleet_coordinator_permission_denied_total",
+            {"method": "/bigfleet.v1alpha1.Coordinator/AssignDomain"},
+        )
+        assert value == 1.0
+        assert await call_code(pki, port, "admin", "AssignDomain", req) == grpc.StatusCode.OK
+        assert coord.domains == [("zone", "a", "shard-0")]
+    finally:
+        await srv.stop(None)
+
+
+class _FakeContext:
+    def __init__(self, auth: dict[str, list[bytes]]) -> None:
+        self._auth = auth
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return self._auth
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+
+def test_tls12_session_is_refused_by_the_policy(pki: Pki) -> None:
+    from bigfleet.security.roles import READ, _decide
+
+    pem = (pki.root / "admin.crt").read_bytes()
+    base = {"transport_security_type": [b"ssl"], "x509_pem_cert": [pem]}
+    assert _decide(_FakeContext({**base, "ssl_tls_version": [b"TLSv1.3"]}), READ, None) is None
+    reason = _decide(_FakeContext({**base, "ssl_tls_version": [b"TLSv1.2"]}), READ, None)
+    assert reason is not None and "TLSv1.2" in reason
