@@ -261,7 +261,8 @@ class SessionClient:
                     for t in tasks:
                         t.cancel()
                     await asyncio.gather(*tasks, return_exceptions=True)
-                for t in done:
+                # The receiver's error carries the shard's status and trailers: prefer it.
+                for t in sorted(done, key=lambda t: t is not tasks[1]):
                     exc = t.exception()
                     if exc is not None:
                         raise exc
@@ -273,7 +274,7 @@ class SessionClient:
                     await self._check_redirect(call)
 
     async def _check_redirect(self, call: grpc.aio.StreamStreamCall) -> None:
-        md = await asyncio.wait_for(call.trailing_metadata(), timeout=1.0)
+        md = await asyncio.wait_for(call.trailing_metadata(), timeout=3.0)
         for k, v in md or ():
             if k == REDIRECT_METADATA_KEY and v:
                 self._redirect_to = str(v)
@@ -290,6 +291,9 @@ class SessionClient:
                 raise
             except grpc.aio.AioRpcError as exc:
                 log.warning("session ended", code=exc.code().name, details=(exc.details() or "")[:200])
+                for k, v in exc.trailing_metadata() or ():
+                    if k == REDIRECT_METADATA_KEY and v:
+                        self._redirect_to = str(v)
             except Exception as exc:
                 log.warning("session ended", error=f"{type(exc).__name__}: {exc}"[:300])
             self.metrics.reconnects.inc()
