@@ -635,16 +635,22 @@ class CoordinatorService(pbg.CoordinatorServicer):
 
         return pb.ListClusterBindingsResponse(bindings=self.d.r().read(rows))
 
-    def _plan(self, load_factor: float, max_moves: int) -> Any:
+    async def _plan(self, load_factor: float, max_moves: int) -> Any:
         d = self.d
         now = _now()
         down_ns = int(d.cfg.down_after * 1e9)
 
-        def compute(st: FleetState) -> Any:
+        def inputs(st: FleetState) -> tuple[Any, ...]:
             frozen = [t.cluster_id for t in st.active_transfers() if t.kind == KIND_CLUSTER]
-            return plan_rebalance(st.cluster_map(), st.live_shards(now, down_ns), load_factor or d.cfg.load_factor, max_moves, frozen)
+            joined = {s.shard_id: s.registered_at_ns for s in st.shards.values()}
+            bound = {c: b.bound_at_ns for c, b in st.bindings.items()}
+            return st.cluster_map(), st.live_shards(now, down_ns), frozen, joined, bound
 
-        return d.r().read(compute)
+        bindings, live, frozen, joined, bound = d.r().read(inputs)
+        # O(clusters x shards) hashing: keep it off the event loop.
+        return await asyncio.to_thread(
+            plan_rebalance, bindings, live, load_factor or d.cfg.load_factor, max_moves, frozen, joined, bound
+        )
 
     async def PlanRebalance(
         self, request: pb.PlanRebalanceRequest, context: grpc.aio.ServicerContext
@@ -652,7 +658,7 @@ class CoordinatorService(pbg.CoordinatorServicer):
         if (request.load_factor and request.load_factor < 1.0) or request.max_moves < 0:
             await self._invalid(context, "load_factor must be >= 1 and max_moves >= 0")
         await self._leader(context)
-        plan = self._plan(request.load_factor, request.max_moves)
+        plan = await self._plan(request.load_factor, request.max_moves)
         return pb.PlanRebalanceResponse(
             moves=[pb.ClusterMove(cluster_id=m.cluster_id, from_shard_id=m.from_shard, to_shard_id=m.to_shard) for m in plan.moves],
             total_clusters=plan.total_clusters,
@@ -669,7 +675,7 @@ class CoordinatorService(pbg.CoordinatorServicer):
         if (request.load_factor and request.load_factor < 1.0) or request.max_moves < 0:
             await self._invalid(context, "load_factor must be >= 1 and max_moves >= 0")
         await self._leader(context)
-        plan = self._plan(request.load_factor, request.max_moves)
+        plan = await self._plan(request.load_factor, request.max_moves)
         if request.expected_plan_id and request.expected_plan_id != plan.plan_id:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"plan changed: expected {request.expected_plan_id}, current {plan.plan_id}"

@@ -117,17 +117,26 @@ def plan_rebalance(
     load_factor: float = DEFAULT_LOAD_FACTOR,
     max_moves: int = 0,
     frozen: Iterable[str] = (),
+    joined_at: Mapping[str, int] | None = None,
+    bound_at: Mapping[str, int] | None = None,
 ) -> RebalancePlan:
-    """Which clusters to move so placement converges on bounded-load HRW.
+    """Which clusters to move, and no more than balance and new shards call for.
 
     1. Shed: a live shard above the cap gives up clusters (those it ranks
        lowest first) to their best-ranked live shard with room.
-    2. Converge: a cluster whose HRW-preferred live shard is not its current
-       one moves there if that shard is below the cap.
+    2. Pull: a cluster moves to its HRW-preferred live shard (if that shard is
+       below the cap) when the shard is *newer than the cluster's binding*
+       (``joined_at[shard] > bound_at[cluster]``: the cluster would have gone
+       there had the shard existed) or the shard holds less than half
+       its fair share (⌊mean / 2⌋, e.g. it was down while clusters were placed). Clusters the cap once displaced from a shard that already
+       existed stay where they are: moving them back buys no balance.
+       Without the two timestamp maps every non-preferred cluster may move
+       (pure convergence on HRW).
     Clusters bound to shards that are not live are *stranded*: they stay put
     (their shard cannot release them); removing the shard re-places them.
     ``frozen`` clusters (handoff in flight) are counted but never moved.
-    The plan is a fixed point: planning again after applying it moves nothing.
+    The plan is a fixed point: planning again after applying it (and
+    stamping moved bindings with a newer ``bound_at``) moves nothing.
     """
     live_list = sorted(set(live))
     frozen_set = set(frozen)
@@ -173,6 +182,7 @@ def plan_rebalance(
     # A cluster that reached its preferred shard never moves again, so the
     # passes end; repeating them makes the plan a fixed point (a move that
     # frees room can unblock a cluster examined earlier).
+    floor = math.floor(len(on_live) / len(live_list) / 2) if live_list else 0
     pending: list[tuple[str, str]] = []
     for c in sorted(current):
         if c in frozen_set:
@@ -180,12 +190,19 @@ def plan_rebalance(
         top = preferred(c, live_list)
         if top is not None and top != current[c]:
             pending.append((c, top))
+
+    def wanted(c: str, top: str) -> bool:
+        if joined_at is None or bound_at is None:
+            return True
+        newer = joined_at.get(top, 0) > bound_at.get(c, 0)
+        return newer or after[top] < floor
+
     progress = True
     while progress and pending:
         progress = False
         waiting: list[tuple[str, str]] = []
         for c, top in pending:
-            if after[top] < cap:
+            if after[top] < cap and wanted(c, top):
                 move(c, top)
                 progress = True
             else:
