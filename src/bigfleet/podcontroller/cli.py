@@ -10,9 +10,9 @@ from pathlib import Path
 
 import yaml
 
-from bigfleet.observability import configure_logging, get_logger
+from bigfleet.observability import configure_logging, get_logger, start_metrics_server
 from bigfleet.operator.kube import api_client
-from bigfleet.podcontroller.controller import PodController
+from bigfleet.podcontroller.controller import PodController, PodControllerMetrics
 
 
 def parser() -> argparse.ArgumentParser:
@@ -32,7 +32,11 @@ def parser() -> argparse.ArgumentParser:
 async def run(args: argparse.Namespace) -> int:
     defaults = yaml.safe_load(Path(args.priority_class_defaults).read_text()) if args.priority_class_defaults else {}
     api = await api_client(args.kubeconfig or None, args.qps, args.burst)
-    ctl = PodController(api, defaults or {}, all_pods=args.all_pods)
+    metrics = PodControllerMetrics()
+    if args.metrics_addr not in ("", "0"):
+        listen = args.metrics_addr if not args.metrics_addr.startswith(":") else "0.0.0.0" + args.metrics_addr
+        start_metrics_server(listen, metrics.registry)
+    ctl = PodController(api, defaults or {}, all_pods=args.all_pods, metrics=metrics)
     task = asyncio.create_task(ctl.run())
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

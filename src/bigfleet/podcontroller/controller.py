@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kubernetes.aio import client
+from prometheus_client import CollectorRegistry, Counter
 
 from bigfleet.needs import ValidationError
 from bigfleet.observability import get_logger
@@ -29,9 +30,22 @@ from bigfleet.podcontroller.derive import (
 log = get_logger("bigfleet.podcontroller")
 
 
+class PodControllerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        from bigfleet.observability import new_registry
+
+        self.registry = registry or new_registry()
+        self.writes = Counter("bigfleet_podcontroller_capacityrequest_writes_total",
+                              "CapacityRequest writes", ["op", "outcome"], registry=self.registry)
+        self.skipped = Counter("bigfleet_podcontroller_pods_skipped_total",
+                               "Pods whose CapacityRequest could not be derived", registry=self.registry)
+
+
 class PodController:
-    def __init__(self, api: client.ApiClient, defaults: PriorityDefaults | None = None, *, all_pods: bool = False) -> None:
+    def __init__(self, api: client.ApiClient, defaults: PriorityDefaults | None = None, *, all_pods: bool = False,
+                 metrics: PodControllerMetrics | None = None) -> None:
         self.api = api
+        self.metrics = metrics or PodControllerMetrics()
         self.co: Any = client.CustomObjectsApi(api)
         self.defaults: PriorityDefaults = defaults or {}
         self.all_pods = all_pods
@@ -68,8 +82,10 @@ class PodController:
                     await self.co.delete_namespaced_custom_object(GROUP, VERSION, namespace, CAPACITY_REQUESTS,
                                                                   o["metadata"]["name"])
                     self.deleted += 1
+                    self.metrics.writes.labels(op="delete", outcome="success").inc()
                 except Exception as exc:
                     if status_code(exc) != 404:
+                        self.metrics.writes.labels(op="delete", outcome="error").inc()
                         raise
             return
         if existing or uid in self._recent:
@@ -80,9 +96,15 @@ class PodController:
             body = capacity_request_object(pod, self.defaults)
         except ValidationError as exc:
             log.warning("pod skipped", namespace=namespace, pod=name, reason=str(exc))
+            self.metrics.skipped.inc()
             return
-        created = await with_retries(lambda: self.co.create_namespaced_custom_object(
-            GROUP, VERSION, namespace, CAPACITY_REQUESTS, body), what="create CapacityRequest")
+        try:
+            created = await with_retries(lambda: self.co.create_namespaced_custom_object(
+                GROUP, VERSION, namespace, CAPACITY_REQUESTS, body), what="create CapacityRequest")
+        except Exception:
+            self.metrics.writes.labels(op="create", outcome="error").inc()
+            raise
+        self.metrics.writes.labels(op="create", outcome="success").inc()
         self._recent[uid] = 1
         self.created += 1
         try:
