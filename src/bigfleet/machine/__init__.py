@@ -3,7 +3,7 @@
 Pure (no I/O, no clock reads): time is always passed in. Import everything from here.
 """
 
-from bigfleet.machine.inventory import DuplicateMachine, Inventory, UnknownMachine
+from bigfleet.machine.inventory import DuplicateMachine, Inventory, StateView, UnknownMachine
 from bigfleet.machine.labels import DEFAULT_INTERNER, EMPTY_LABELS, Interner, Labels
 from bigfleet.machine.record import (
     INSTANCE_TYPE_LABEL,
@@ -74,6 +74,7 @@ __all__ = [
     "Machine",
     "MachineShape",
     "MachineState",
+    "StateView",
     "UnknownMachine",
     "ValidationError",
     "can_transition",

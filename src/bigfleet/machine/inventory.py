@@ -6,7 +6,8 @@ transitions) the state machine, so a bad write cannot leave a machine in two pla
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, ValuesView
+from collections.abc import Collection, Iterable, Iterator, ValuesView
+from itertools import chain
 from typing import Any
 
 from bigfleet.machine.labels import Labels
@@ -23,20 +24,45 @@ class DuplicateMachine(ValueError):
     """`Inventory.add` of an id that is already present."""
 
 
-class Inventory:
-    """Machines by id plus indexes by state, by cluster and by (shared) label set.
+class StateView(Collection[Machine]):
+    """Live, read-only view of the machines in one state (grouped by label set internally)."""
 
-    Index views returned by `by_state` / `by_cluster` are live read-only views; copy them before
-    mutating the inventory while iterating.
+    __slots__ = ("_groups",)
+
+    def __init__(self, groups: dict[Labels, dict[str, Machine]]) -> None:
+        self._groups = groups
+
+    def __len__(self) -> int:
+        return sum(len(g) for g in self._groups.values())
+
+    def __iter__(self) -> Iterator[Machine]:
+        return chain.from_iterable(g.values() for g in self._groups.values())
+
+    def __contains__(self, m: object) -> bool:
+        if not isinstance(m, Machine):
+            return False
+        g = self._groups.get(m.shape.match_labels)
+        return g is not None and g.get(m.id) is m
+
+    def by_labels(self) -> list[tuple[Labels, ValuesView[Machine]]]:
+        """``(match labels, machines)`` per distinct label set: match requirements once per set."""
+        return [(lab, g.values()) for lab, g in self._groups.items()]
+
+
+class Inventory:
+    """Machines by id plus indexes by state (and, within a state, by shared label set) and by cluster.
+
+    One index entry per machine for state+labels (the label set is shared by every machine of a
+    type, so grouping by it costs nothing extra), one more for bound machines' cluster. Views returned
+    by `by_state` are live; copy them before mutating the inventory while iterating.
     """
 
-    __slots__ = ("_by_cluster", "_by_labels", "_by_state", "_generation", "_machines")
+    __slots__ = ("_by_cluster", "_by_state", "_generation", "_machines")
 
     def __init__(self, machines: Iterable[Machine] = ()) -> None:
         self._machines: dict[str, Machine] = {}
-        self._by_state: dict[MachineState, dict[str, Machine]] = {s: {} for s in MachineState}
+        self._by_state: dict[MachineState, dict[Labels, dict[str, Machine]]] = {s: {} for s in MachineState}
         self._by_cluster: dict[str, dict[str, Machine]] = {}
-        self._by_labels: dict[Labels, dict[str, Machine]] = {}
         self._generation = 0
         for m in machines:
             self.add(m)
@@ -127,32 +153,32 @@ class Inventory:
     def _index(self, m: Machine) -> None:
         mid = m.id
         self._machines[mid] = m
-        self._by_state[m.state][mid] = m
+        groups = self._by_state[m.state]
+        ml = m.shape.match_labels
+        bucket = groups.get(ml)
+        if bucket is None:
+            bucket = groups[ml] = {}
+        bucket[mid] = m
         if m.cluster:
             c = self._by_cluster.get(m.cluster)
             if c is None:
                 c = self._by_cluster[m.cluster] = {}
             c[mid] = m
-        ml = m.shape.match_labels
-        bucket = self._by_labels.get(ml)
-        if bucket is None:
-            bucket = self._by_labels[ml] = {}
-        bucket[mid] = m
 
     def _unindex(self, m: Machine) -> None:
         mid = m.id
         del self._machines[mid]
-        del self._by_state[m.state][mid]
+        groups = self._by_state[m.state]
+        ml = m.shape.match_labels
+        bucket = groups[ml]
+        del bucket[mid]
+        if not bucket:
+            del groups[ml]
         if m.cluster:
             c = self._by_cluster[m.cluster]
             del c[mid]
             if not c:
                 del self._by_cluster[m.cluster]
-        ml = m.shape.match_labels
-        bucket = self._by_labels[ml]
-        del bucket[mid]
-        if not bucket:
-            del self._by_labels[ml]
 
     # --- reads --------------------------------------------------------------------------------
 
@@ -186,9 +212,9 @@ class Inventory:
         """Every id, sorted."""
         return sorted(self._machines)
 
-    def by_state(self, state: MachineState) -> ValuesView[Machine]:
-        """Machines in `state` (live view, insertion order; sort by id if order matters)."""
-        return self._by_state[state].values()
+    def by_state(self, state: MachineState) -> StateView:
+        """Machines in `state` (live view; no particular order, sort by id if order matters)."""
+        return StateView(self._by_state[state])
 
     def by_cluster(self, cluster_id: str, state: MachineState | None = None) -> list[Machine]:
         """Machines bound to `cluster_id` (optionally only those in `state`)."""
@@ -202,25 +228,30 @@ class Inventory:
     def by_label(self, key: str, value: str | None = None) -> list[Machine]:
         """Machines whose match labels (labels + instance type + zone) have `key` (= `value` if given)."""
         out: list[Machine] = []
-        for labels, bucket in self._by_labels.items():
-            v = labels.get(key)
-            if v is not None and (value is None or v == value):
-                out.extend(bucket.values())
+        for groups in self._by_state.values():
+            for labels, bucket in groups.items():
+                v = labels.get(key)
+                if v is not None and (value is None or v == value):
+                    out.extend(bucket.values())
         return out
 
     def label_sets(self) -> list[tuple[Labels, int]]:
         """Each distinct match-label set with how many machines carry it."""
-        return [(lab, len(b)) for lab, b in self._by_labels.items()]
+        counts: dict[Labels, int] = {}
+        for groups in self._by_state.values():
+            for lab, b in groups.items():
+                counts[lab] = counts.get(lab, 0) + len(b)
+        return list(counts.items())
 
     def clusters(self) -> list[str]:
         return sorted(self._by_cluster)
 
     def counts(self) -> dict[MachineState, int]:
         """Machines per state (every real state present, zeros included)."""
-        return {s: len(self._by_state[s]) for s in ALL_STATES}
+        return {s: self.count(s) for s in ALL_STATES}
 
     def count(self, state: MachineState) -> int:
-        return len(self._by_state[state])
+        return sum(len(g) for g in self._by_state[state].values())
 
     def count_by_cluster_state(self) -> dict[tuple[str, MachineState], int]:
         out: dict[tuple[str, MachineState], int] = {}
@@ -234,8 +265,7 @@ class Inventory:
         """An independent inventory holding the same (immutable) records: a cheap per-cycle snapshot."""
         inv = Inventory()
         inv._machines = dict(self._machines)
-        inv._by_state = {s: dict(d) for s, d in self._by_state.items()}
+        inv._by_state = {s: {lab: dict(g) for lab, g in d.items()} for s, d in self._by_state.items()}
         inv._by_cluster = {c: dict(d) for c, d in self._by_cluster.items()}
-        inv._by_labels = {k: dict(d) for k, d in self._by_labels.items()}
         inv._generation = self._generation
         return inv

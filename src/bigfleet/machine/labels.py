@@ -108,6 +108,19 @@ class Interner:
         table[value] = value
         return value
 
+    def lookup(self, kind: str, key: Any) -> Any:
+        """The value remembered under `key` (None if absent); pairs with `remember`."""
+        table = self._tables.get(kind)
+        return None if table is None else table.get(key)
+
+    def remember(self, kind: str, key: Any, value: Any) -> None:
+        table = self._tables.get(kind)
+        if table is None:
+            table = self._tables[kind] = {}
+        if len(table) >= self.max_entries:
+            table.clear()
+        table[key] = value
+
     def string(self, s: str) -> str:
         return sys.intern(s) if s else ""
 

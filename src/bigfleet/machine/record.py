@@ -246,28 +246,46 @@ class Machine:
     ) -> None:
         it = interner or DEFAULT_INTERNER
         if shape is None:
-            shape = MachineShape(
-                it.string(instance_type),
-                it.string(zone),
-                CapacityType(capacity_type),
-                it.intern("float", float(price_per_hour)),
-                it.intern("float", float(interruption_probability)),
-                it.labels(labels),
-                it.intern("resources", resources),
-                it.intern("resources", allocatable),
-            )
-        shape = it.intern("shape", shape)
+            # Look the shape up by its raw inputs first: building and hashing a MachineShape (and
+            # sorting labels) is the expensive part, and nearly every machine repeats an existing one.
+            lkey: object = labels if (labels is None or type(labels) is Labels) else tuple(labels.items())
+            raw = (instance_type, zone, int(capacity_type), price_per_hour, interruption_probability, lkey,
+                   resources, allocatable)
+            shape = it.lookup("shape-raw", raw)
+            if shape is None:
+                shape = it.intern("shape", MachineShape(
+                    it.string(instance_type),
+                    it.string(zone),
+                    CapacityType(capacity_type),
+                    it.intern("float", float(price_per_hour)),
+                    it.intern("float", float(interruption_probability)),
+                    it.labels(labels),
+                    it.intern("resources", resources),
+                    it.intern("resources", allocatable),
+                ))
+                it.remember("shape-raw", raw, shape)
+        else:
+            shape = it.intern("shape", shape)
         if assignment is None:
-            assignment = Assignment(
-                assigned_priority,
-                assigned_interruption_penalty_dollars,
-                assigned_reclamation_penalty_dollars,
-                it.string(assigned_need_fingerprint),
-                it.string(assigned_group),
-            )
-        assignment = NO_ASSIGNMENT if assignment.is_empty else it.intern("assignment", assignment)
+            akey = (assigned_priority, assigned_interruption_penalty_dollars, assigned_reclamation_penalty_dollars,
+                    assigned_need_fingerprint, assigned_group)
+            if akey == _EMPTY_KEY:
+                assignment = NO_ASSIGNMENT
+            else:
+                assignment = it.lookup("assignment-raw", akey)
+                if assignment is None:
+                    assignment = it.intern("assignment", Assignment(
+                        assigned_priority,
+                        assigned_interruption_penalty_dollars,
+                        assigned_reclamation_penalty_dollars,
+                        it.string(assigned_need_fingerprint),
+                        it.string(assigned_group),
+                    ))
+                    it.remember("assignment-raw", akey, assignment)
+        else:
+            assignment = NO_ASSIGNMENT if assignment.is_empty else it.intern("assignment", assignment)
         _setattr(self, "id", id)
-        _setattr(self, "state", MachineState(state))
+        _setattr(self, "state", state if type(state) is MachineState else MachineState(state))
         _setattr(self, "shape", shape)
         _setattr(self, "cluster", it.string(cluster))
         _setattr(self, "host_provider", it.string(host_provider))
@@ -284,10 +302,18 @@ class Machine:
         shape field (``price_per_hour``...) or an ``assigned_*`` field rebuilds and re-interns that part.
         """
         new = object.__new__(Machine)
-        for name in Machine.__slots__:
-            _setattr(new, name, changes.pop(name, getattr(self, name)))
-        if type(new.state) is not MachineState:
-            _setattr(new, "state", MachineState(new.state))
+        pop = changes.pop
+        _setattr(new, "assignment", pop("assignment", self.assignment))
+        _setattr(new, "cluster", pop("cluster", self.cluster))
+        _setattr(new, "host_provider", pop("host_provider", self.host_provider))
+        _setattr(new, "host_ref", pop("host_ref", self.host_ref))
+        _setattr(new, "id", pop("id", self.id))
+        _setattr(new, "last_error", pop("last_error", self.last_error))
+        _setattr(new, "node_name", pop("node_name", self.node_name))
+        _setattr(new, "shape", pop("shape", self.shape))
+        state = pop("state", self.state)
+        _setattr(new, "state", state if type(state) is MachineState else MachineState(state))
+        _setattr(new, "state_since_unix_nanos", pop("state_since_unix_nanos", self.state_since_unix_nanos))
         if changes:
             interner = changes.pop("interner", None) or DEFAULT_INTERNER
             shape_changes = {k: changes.pop(k) for k in list(changes) if k in _SHAPE_FIELDS}

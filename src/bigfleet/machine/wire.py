@@ -10,8 +10,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from bigfleet.machine.labels import DEFAULT_INTERNER, Interner
-from bigfleet.machine.record import Assignment, Machine, MachineShape
+from bigfleet.machine.labels import DEFAULT_INTERNER, Interner, Labels
+from bigfleet.machine.record import NO_ASSIGNMENT, Assignment, Machine, MachineShape
 from bigfleet.machine.state import CapacityType, MachineState
 from bigfleet.machine.validate import check_cost_fields, check_invariant
 from bigfleet.needs.errors import ValidationError
@@ -228,19 +228,31 @@ def machine_from_proto(
     check_cost_fields(price, prob)
     resources = Resources.parse(pb.resources.resources, "resources")
     allocatable = Resources.parse(pb.allocatable.resources, "allocatable")
-    labels = _labels(pb.labels, "labels")
-    shape = MachineShape(
-        it.string(_text(pb.instance_type, "instance_type")),
-        it.string(_text(pb.zone, "zone")),
-        CapacityType(raw_ct),
-        it.intern("float", price),
-        it.intern("float", prob),
-        it.labels(labels),
-        it.intern("resources", resources),
-        it.intern("resources", allocatable),
-    )
-    assignment = decode_shard_metadata(pb.shard_metadata).apply_to(Assignment())
-    node = labels.get(HOSTNAME_LABEL) or pb.shard_metadata.get(META_NODE_NAME, "")
+    # Label maps repeat across a fleet: validate and canonicalise each distinct one once.
+    lkey = tuple(pb.labels.items())
+    labels: Labels | None = it.lookup("labels-valid", lkey)
+    if labels is None:
+        labels = it.labels(_labels(pb.labels, "labels"))
+        it.remember("labels-valid", lkey, labels)
+    instance_type = _text(pb.instance_type, "instance_type")
+    zone = _text(pb.zone, "zone")
+    raw = (instance_type, zone, raw_ct, price, prob, labels, resources, allocatable)
+    shape: MachineShape | None = it.lookup("shape-raw", raw)
+    if shape is None:
+        shape = it.intern("shape", MachineShape(
+            it.string(instance_type),
+            it.string(zone),
+            CapacityType(raw_ct),
+            it.intern("float", price),
+            it.intern("float", prob),
+            labels,
+            it.intern("resources", resources),
+            it.intern("resources", allocatable),
+        ))
+        it.remember("shape-raw", raw, shape)
+    md = pb.shard_metadata
+    assignment = decode_shard_metadata(md).apply_to(NO_ASSIGNMENT) if md else NO_ASSIGNMENT
+    node = labels.get(HOSTNAME_LABEL) or md.get(META_NODE_NAME, "")
     if len(node) > MAX_TEXT_LEN or not node.isprintable():
         node = ""  # like any malformed metadata value: skipped, not fatal
     m = Machine(

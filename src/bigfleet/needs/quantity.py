@@ -8,7 +8,6 @@ Like Kubernetes' ``MilliValue()``, anything finer than a milli-unit is rounded u
 from __future__ import annotations
 
 import re
-from fractions import Fraction
 
 from bigfleet.needs.errors import ValidationError
 
@@ -17,6 +16,7 @@ MAX_MILLI = (1 << 63) - 1
 # Longest quantity string accepted (k8s has no limit; ours keeps hostile input cheap to reject).
 MAX_QUANTITY_LEN = 64
 
+_POW10: list[int] = [10**i for i in range(160)]
 _BINARY = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60}
 _DECIMAL_EXP = {"m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
 
@@ -35,12 +35,30 @@ _QUANTITY_RE = re.compile(
 )
 
 
+# Demand and supply reuse a handful of distinct strings ("4", "16Gi", "500m"); remembering them makes
+# parsing a dict lookup. Bounded: cleared when full. Errors are never cached.
+_CACHE: dict[str, int] = {}
+_CACHE_MAX = 8192
+
+
 def parse_quantity(s: str, field: str = "") -> int:
     """`s` (``500m``, ``2Gi``, ``1e3``, ``1.5``, ``100Ki``, ``5n``...) as an exact count of milli-units.
 
     Raises ``ValidationError`` naming `field` when `s` is not a Kubernetes quantity or does not fit in
     an int64 of milli-units. Sub-milli suffixes ``n`` and ``u`` are accepted and rounded up.
     """
+    if type(s) is str:
+        hit = _CACHE.get(s)
+        if hit is not None:
+            return hit
+    v = _parse(s, field)
+    if len(_CACHE) >= _CACHE_MAX:
+        _CACHE.clear()
+    _CACHE[s] = v
+    return v
+
+
+def _parse(s: str, field: str) -> int:
     if not isinstance(s, str):
         raise ValidationError(field, f"quantity must be a string, got {type(s).__name__}")
     text = s.strip() if s[:1].isspace() or s[-1:].isspace() else s
@@ -65,16 +83,18 @@ def parse_quantity(s: str, field: str = "") -> int:
         raise ValidationError(field, f"malformed quantity {s!r}: no digits")
     if sub_milli and (m.group("bin") or m.group("exp") is not None or m.group("dec") is not None):
         raise ValidationError(field, f"malformed quantity {s!r}")
-    mantissa = Fraction(int(int_part or "0") * 10 ** len(frac_part) + int(frac_part or "0"), 10 ** len(frac_part))
+    # value = digits / 10**len(frac) × multiplier, kept as an exact integer fraction num/den.
+    digits = int(int_part + frac_part)
+    den = _POW10[len(frac_part)]
     if m.group("bin"):
-        value = mantissa * _BINARY[m.group("bin")] * 1000
+        num = digits * _BINARY[m.group("bin")] * 1000
     else:
         if sub_milli:
             exp10 = sub_milli
         elif m.group("exp") is not None:
             exp10 = int(m.group("exp"))
             if abs(exp10) > 40:
-                if mantissa == 0:
+                if digits == 0:
                     exp10 = 0
                 elif exp10 < 0:
                     # Tiny positive values still round up to one milli-unit.
@@ -84,8 +104,12 @@ def parse_quantity(s: str, field: str = "") -> int:
         else:
             exp10 = _DECIMAL_EXP[m.group("dec") or ""]
         exp10 += 3  # to milli-units
-        value = mantissa * 10**exp10 if exp10 >= 0 else mantissa / 10**-exp10
-    milli = -(-value.numerator // value.denominator)  # ceiling
+        if exp10 >= 0:
+            num = digits * _POW10[exp10]
+        else:
+            num = digits
+            den *= _POW10[-exp10]
+    milli = -(-num // den)  # ceiling
     if milli > MAX_MILLI:
         raise ValidationError(field, f"quantity {s!r} is out of range")
     return -milli if m.group("sign") == "-" else milli
