@@ -376,7 +376,7 @@ def test_77_parking_ages_parks_and_reprobes() -> None:
 
 def test_78_reclaim_cap() -> None:
     d = run([], _conf(5), ready=["c"])
-    assert len(drains(d)) == 1 and len(d.deferred) == 4
+    assert len(drains(d)) == 1 and d.stats.reclaims_deferred == 4
     d = run([], _conf(100), ready=["c"])
     assert len(drains(d)) == 5 and d.stats.reclaims_deferred == 95
     # preempts are never capped

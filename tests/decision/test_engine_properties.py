@@ -218,3 +218,56 @@ def test_closed_loop_converges_without_flapping(ms: list[Machine], ns: list[Need
         now += 10**10
     else:
         raise AssertionError(f"no fixed point after 12 cycles: {d.actions}")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(machines(), needs(), needs(), st.randoms())
+def test_incremental_engine_matches_fresh_decide(ms: list[Machine], ns1: list[Need], ns2: list[Need],
+                                                 rnd: random.Random) -> None:
+    """A long-lived Engine (index and per-cluster caches reused) decides exactly like a fresh one."""
+    from bigfleet.decision import Engine
+    from bigfleet.needs import NeedsTable
+
+    eng = Engine()
+    inv = Inventory(ms)
+    table = NeedsTable()
+    state = EngineState(first_rollup=frozenset(CLUSTERS))
+    now = NOW
+    for cycle in range(8):
+        demand = ns1 if cycle % 3 != 2 else ns2
+        for c in CLUSTERS:
+            table.replace(c, [n for n in demand if n.cluster_id == c], now) if any(
+                n.cluster_id == c for n in demand) else table.remove(c)
+        cfg = EngineConfig()
+        got = eng.decide(table, inv, now, state, cfg)
+        want = decide(table, Inventory(list(inv)), now, state, cfg)
+        assert got.actions == want.actions
+        assert got.verdicts == want.verdicts
+        assert got.shortfalls == want.shortfalls
+        assert got.state == want.state
+        state = got.state
+        # apply a random subset of the actions, as a provider would, at random speed
+        for a in got.actions:
+            if rnd.random() < 0.3:
+                continue
+            m = inv[a.machine_id]
+            if isinstance(a, Configure):
+                inv.transition(m.id, S.CONFIGURING, now, cluster=a.cluster_id, assigned_priority=a.priority,
+                               assigned_need_fingerprint=a.need_fingerprint, assigned_group=a.group)
+                if rnd.random() < 0.7:
+                    inv.transition(m.id, S.CONFIGURED, now)
+            elif isinstance(a, Create):
+                inv.transition(m.id, S.CREATING, now, host_provider="fake", host_ref=m.id,
+                               assigned_need_fingerprint=a.need_fingerprint)
+                if rnd.random() < 0.5:
+                    inv.transition(m.id, S.IDLE, now)
+            elif isinstance(a, Drain):
+                inv.transition(m.id, S.DRAINING, now)
+                if rnd.random() < 0.7:
+                    inv.upsert(inv[m.id].unassigned(S.IDLE, now))
+            elif isinstance(a, Delete):
+                inv.transition(m.id, S.DELETING, now)
+                if rnd.random() < 0.7:
+                    inv.upsert(inv[m.id].replace(state=S.SPECULATIVE, host_provider="", host_ref="",
+                                                 state_since_unix_nanos=now))
+        now += 30 * 10**9

@@ -4,7 +4,7 @@ to actions, shortfalls and verdicts. See docs/decision-engine.md for the rules a
 
 from __future__ import annotations
 
-from bigfleet.decision.engine import choose_same_bucket, decide, decide_indexed, normalize
+from bigfleet.decision.engine import Engine, choose_same_bucket, decide, decide_indexed, normalize
 from bigfleet.decision.index import Index, build_index
 from bigfleet.decision.types import (
     REASON_IDLE,
@@ -42,6 +42,7 @@ __all__ = [
     "Decision",
     "Delete",
     "Drain",
+    "Engine",
     "EngineConfig",
     "EngineState",
     "Index",

@@ -7,8 +7,10 @@ nondeterminism. See docs/decision-engine.md for the rules and every deliberate d
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import compress
 from typing import Any
 
 from bigfleet.machine.record import Machine
@@ -23,9 +25,12 @@ from .index import (
     SPEC,
     Index,
     MClass,
+    add_machine,
     build_index,
     m_interruption,
     m_reclamation,
+    remove_machine,
+    victim_order,
 )
 from .types import (
     REASON_IDLE,
@@ -93,6 +98,7 @@ class _N:
         "rb",
         "remaining",
         "reqs",
+        "reserved_credit",
         "same",
         "same_domain",
         "same_sat",
@@ -125,6 +131,7 @@ class _N:
         self.park_age = 0
         self.remaining: Vec = self.agg
         self.p1_remaining: Vec = self.agg
+        self.reserved_credit = False
         self.claimed: list[Machine] = []
         self.credited = 0
         self.acquired_idle: list[Machine] = []
@@ -139,11 +146,16 @@ class _N:
 class _Cycle:
     """Mutable scratch state of one `decide` call (never escapes it)."""
 
-    def __init__(self, ix: Index, dims: tuple[str, ...]) -> None:
+    def __init__(self, ix: Index, dims: tuple[str, ...], reservations: Mapping[str, str]) -> None:
         self.ix = ix
         self.dims = dims
+        self.reservations = reservations
         self.alloc: list[Vec] = [tuple(c.alloc.get(d) for d in dims) for c in ix.classes]
+        #: claims on pool (Idle/Speculative) and Creating machines
         self.claim: dict[str, _N] = {}
+        #: cluster → claims on its bound (Configured/Configuring) machines
+        self.held: dict[str, dict[str, _N]] = {}
+        self.bcur: dict[tuple[str, int, int], int] = {}
         self.cursor: dict[tuple[int, int], int] = {}
         self.taken: dict[tuple[int, int], int] = {}
         self.vused: dict[tuple[int, int], int] = {}
@@ -298,14 +310,34 @@ def _bound_lists(cy: _Cycle, n: _N, state: int) -> list[tuple[MClass, list[Machi
     return got
 
 
-def _keep_stream(cy: _Cycle, lists: list[tuple[MClass, list[Machine]]]) -> Iterable[tuple[MClass, Machine]]:
-    """Bound machines in keep order: price asc, reclamation desc, id asc; claimed ones skipped."""
-    claim = cy.claim
+def _hold(cy: _Cycle, m: Machine, n: _N) -> None:
+    h = cy.held.get(n.cluster)
+    if h is None:
+        h = cy.held[n.cluster] = {}
+    h[m.id] = n
+    n.claimed.append(m)
+    n.credited += 1
+
+
+def _keep_stream(cy: _Cycle, n: _N, state: int, lists: list[tuple[MClass, list[Machine]]]
+                 ) -> Iterable[tuple[MClass, Machine]]:
+    """Bound machines in keep order: price asc, reclamation desc, id asc; held ones skipped."""
+    claim = cy.held.get(n.cluster)
+    if claim is None:
+        claim = cy.held[n.cluster] = {}
     if len(lists) == 1:
         c, lst = lists[0]
-        for m in lst:
+        ck = (n.cluster, state, c.idx)
+        i = cy.bcur.get(ck, 0)
+        size = len(lst)
+        while i < size and lst[i].id in claim:
+            i += 1
+        cy.bcur[ck] = i
+        while i < size:
+            m = lst[i]
             if m.id not in claim:
                 yield c, m
+            i += 1
         return
     items = [(c.price, -m_reclamation(m), m.id, c, m) for c, lst in lists for m in lst if m.id not in claim]
     items.sort(key=lambda t: (t[0], t[1], t[2]))
@@ -318,13 +350,13 @@ def _credit_plain(cy: _Cycle, n: _N) -> None:
     for state in (CONFIGURED, CONFIGURING):
         if not any(n.remaining):
             return
-        for c, m in _keep_stream(cy, _bound_lists(cy, n, state)):
+        for c, m in _keep_stream(cy, n, state, _bound_lists(cy, n, state)):
             if not any(n.remaining):
                 return
-            cy.take(m, n, None)
-            n.credited += 1
+            _hold(cy, m, n)
             n.remaining = _sub(n.remaining, cy.alloc[c.idx])
-    _credit_reserved(cy, n)
+    if any(n.remaining):
+        _credit_reserved(cy, n)
 
 
 def _credit_reserved(cy: _Cycle, n: _N, domain: str | None = None) -> None:
@@ -339,7 +371,7 @@ def _credit_reserved(cy: _Cycle, n: _N, domain: str | None = None) -> None:
                 return
             if m.id in cy.claim:
                 continue
-            owner = ix.reserved_for.get(m.id, "")
+            owner = m.cluster or cy.reservations.get(m.id, "")
             if owner and owner != n.cluster:
                 continue
             c = ix.cls(m)
@@ -347,6 +379,7 @@ def _credit_reserved(cy: _Cycle, n: _N, domain: str | None = None) -> None:
                 continue
             if domain is not None and n.same is not None and c.attrs.get(n.same.key) != domain:
                 continue
+            n.reserved_credit = True
             if pooled:
                 cy.take(m, n, (IDLE, c.idx))
                 n.acquired_idle.append(m)
@@ -406,7 +439,7 @@ def _credit_same(cy: _Cycle, n: _N, sticky: str | None) -> None:
     zero = cy.zero
     alloc = cy.alloc
     for state in (CONFIGURED, CONFIGURING):
-        for c, m in _keep_stream(cy, _bound_lists(cy, n, state)):
+        for c, m in _keep_stream(cy, n, state, _bound_lists(cy, n, state)):
             v = c.attrs.get(key)
             if v is None:
                 continue
@@ -454,10 +487,10 @@ def _credit_same(cy: _Cycle, n: _N, sticky: str | None) -> None:
     for c, m, _own in ordered:
         if not any(n.remaining):
             break
-        cy.take(m, n, None)
-        n.credited += 1
+        _hold(cy, m, n)
         n.remaining = _sub(n.remaining, alloc[c.idx])
-    _credit_reserved(cy, n, best.value)
+    if any(n.remaining):
+        _credit_reserved(cy, n, best.value)
     if any(n.remaining) and not n.parked:
         # Virtually reserve the chosen domain's free supply so needs ranked later see what is left.
         rem = n.remaining
@@ -574,14 +607,17 @@ def _acquire_spread(cy: _Cycle, n: _N, classes: list[MClass], penalty: float) ->
             counts[v] += 1
 
 
-def _phase1(cy: _Cycle, rows: list[_N], state: EngineState) -> None:
-    # Pass 1: credit bound supply (and in-flight reservations) in precedence order.
+def _credit(cy: _Cycle, rows: list[_N], state: EngineState) -> None:
+    """Pass 1: credit bound supply (and in-flight reservations) in precedence order."""
     for n in rows:
         if n.same is not None:
             _credit_same(cy, n, state.same_domains.get(n.park_key))
         else:
             _credit_plain(cy, n)
-    # Pass 2: acquire Idle then Speculative for what is left, in the same order.
+
+
+def _acquire_all(cy: _Cycle, rows: list[_N]) -> None:
+    """Pass 2: acquire Idle then Speculative for what is left, in precedence order."""
     for n in rows:
         if not any(n.remaining) or n.parked:
             continue
@@ -590,9 +626,8 @@ def _phase1(cy: _Cycle, rows: list[_N], state: EngineState) -> None:
         if n.same is not None:
             if not n.same_domain:
                 continue
-            dom = n.same_domain
-            classes = [c for c in classes if c.attrs.get(n.same.key) == dom]
-            _acquire(cy, n, classes, penalty)
+            dom_classes = next((cl for v, cl in cy.domains(n, n.same.key) if v == n.same_domain), [])
+            _acquire(cy, n, dom_classes, penalty)
         elif n.spread is not None:
             _acquire_spread(cy, n, classes, penalty)
         else:
@@ -609,55 +644,38 @@ def _victim_key(m: Machine) -> tuple[float, int, str]:
             m.assignment.priority, m.id)
 
 
-class _VictimIndex:
-    """Configured machines per class sorted by victim score (built lazily, per cycle)."""
-
-    def __init__(self, ix: Index) -> None:
-        self.ix = ix
-        self.sorted: dict[int, list[Machine]] = {}
-        self.min_prio: dict[int, int] = {}
-
-    def lists(self, ci: int) -> list[Machine]:
-        got = self.sorted.get(ci)
-        if got is None:
-            got = sorted(self.ix.configured_by_class.get(ci, ()), key=_victim_key)
-            self.sorted[ci] = got
-            self.min_prio[ci] = min((m.assignment.priority for m in got), default=2**31)
-        return got
-
-
-def _phase2(cy: _Cycle, rows: list[_N], config: EngineConfig, stats: dict[str, int]) -> tuple[list[Action], set[str]]:
+def _phase2(cy: _Cycle, rows: list[_N], config: EngineConfig, stats: dict[str, int]
+            ) -> tuple[list[Action], set[str]]:
     actions: list[Action] = []
     victims: set[str] = set()
-    vi = _VictimIndex(cy.ix)
+    ix = cy.ix
     for n in rows:
         if not any(n.remaining) or n.parked or n.unmet_age < config.preempt_after_cycles:
             continue
         if n.same is not None and not n.same_domain:
             continue
-        classes = [c for c in cy.eligible(n) if c.idx in cy.ix.configured_by_class]
         if n.same is not None:
-            classes = [c for c in classes if c.attrs.get(n.same.key) == n.same_domain]
+            classes = next((cl for v, cl in cy.domains(n, n.same.key) if v == n.same_domain), [])
+        else:
+            classes = cy.eligible(n)
         lists = []
         for c in classes:
-            lst = vi.lists(c.idx)
-            if vi.min_prio[c.idx] < n.prio:
-                lists.append((c, lst))
+            if c.idx not in ix.configured_by_class:
+                continue
+            lst, min_prio = victim_order(ix, c.idx, _victim_key)
+            if min_prio < n.prio:
+                lists.append(lst)
         if not lists:
             continue
-        if len(lists) == 1:
-            stream: Iterable[Machine] = lists[0][1]
-        else:
-            import heapq
-
-            stream = heapq.merge(*(lst for _, lst in lists), key=_victim_key)
+        stream: Iterable[Machine] = lists[0] if len(lists) == 1 else heapq.merge(*lists, key=_victim_key)
         for m in stream:
             if not any(n.remaining):
                 break
             stats["victims_scanned"] += 1
-            if m.id in victims:
+            if m.id in victims or m.assignment.priority >= n.prio:
                 continue
-            holder = cy.claim.get(m.id)
+            h = cy.held.get(m.cluster)
+            holder = h.get(m.id) if h is not None else None
             vprio = m.assignment.priority
             if holder is not None:
                 if holder is n:
@@ -666,10 +684,10 @@ def _phase2(cy: _Cycle, rows: list[_N], config: EngineConfig, stats: dict[str, i
             if vprio >= n.prio or math.isinf(m_interruption(m)):
                 continue
             victims.add(m.id)
-            c = cy.ix.cls(m)
+            a = cy.alloc[ix.class_of_shape[m.shape]]
             n.victims += 1
-            n.freed = _add(n.freed, cy.alloc[c.idx])
-            n.remaining = _sub(n.remaining, cy.alloc[c.idx])
+            n.freed = _add(n.freed, a)
+            n.remaining = _sub(n.remaining, a)
             actions.append(Drain(m.id, m.cluster, drain_grace_seconds(n.prio, vprio), n.prio, "preempt"))
     return actions, victims
 
@@ -684,26 +702,16 @@ def _reclaim_key(m: Machine) -> tuple[float, float, str]:
     return (m_reclamation(m), -m.shape.price_per_hour, m.id)
 
 
-def _phase3(cy: _Cycle, state: EngineState, victims: set[str], now: int, config: EngineConfig
-            ) -> tuple[list[Action], list[Action], list[Action]]:
-    reclaims: list[Action] = []
-    deferred: list[Action] = []
-    ix = cy.ix
-    for cluster in sorted(ix.configured_count):
-        if cluster not in state.first_rollup:
-            continue
-        by_class = ix.bound.get(cluster, {}).get(CONFIGURED, {})
-        excess = [m for lst in by_class.values() for m in lst if m.id not in cy.claim and m.id not in victims]
-        if not excess:
-            continue
-        excess.sort(key=_reclaim_key)
-        cap = len(excess)
-        if config.reclaim_cap_fraction > 0:
-            cap = max(1, math.floor(config.reclaim_cap_fraction * ix.configured_count[cluster]))
-        for i, m in enumerate(excess):
-            a = Drain(m.id, cluster, config.reclaim_grace_seconds, 0, "reclaim")
-            (reclaims if i < cap else deferred).append(a)
-    releases: list[Action] = []
+def _excess(cy: _Cycle, cluster: str, grace: int) -> list[Drain]:
+    """Reclaim drains for the cluster's unclaimed Configured machines, cheapest to lose first."""
+    by_class = cy.ix.bound.get(cluster, {}).get(CONFIGURED, {})
+    held = cy.held.get(cluster) or {}
+    excess = [m for lst in by_class.values() for m in lst if m.id not in held]
+    excess.sort(key=_reclaim_key)
+    return [Drain(m.id, cluster, grace, 0, "reclaim") for m in excess]
+
+
+def _releases(cy: _Cycle, now: int, config: EngineConfig) -> list[Action]:
     holds = ((int(CapacityType.ON_DEMAND), config.on_demand_hold_seconds),
              (int(CapacityType.SPOT), config.spot_hold_seconds))
     rel: list[str] = []
@@ -711,12 +719,12 @@ def _phase3(cy: _Cycle, state: EngineState, victims: set[str], now: int, config:
         if hold is None or hold <= 0:
             continue
         limit = now - hold * 1_000_000_000
-        for m in ix.idle_by_type.get(ctype, ()):
-            if m.state_since_unix_nanos <= limit and m.id not in cy.claim:
+        claim = cy.claim
+        for m in cy.ix.idle_by_type.get(ctype, ()):
+            if m.state_since_unix_nanos <= limit and m.id not in claim:
                 rel.append(m.id)
     rel.sort()
-    releases = [Delete(mid) for mid in rel]
-    return reclaims, deferred, releases
+    return [Delete(mid) for mid in rel]
 
 
 # --------------------------------------------------------------------------------------------
@@ -724,177 +732,356 @@ def _phase3(cy: _Cycle, state: EngineState, victims: set[str], now: int, config:
 # --------------------------------------------------------------------------------------------
 
 
-def _needs_of(needs: Sequence[Need] | NeedsTable) -> Sequence[Need]:
-    if isinstance(needs, NeedsTable):
-        return needs.snapshot()
-    return needs
-
-
-def _machines_of(inventory: Any) -> Iterable[Machine]:
-    if hasattr(inventory, "machines"):
-        ms: Iterable[Machine] = inventory.machines()
-        return ms
-    it: Iterable[Machine] = inventory
-    return it
-
-
 def _res(dims: tuple[str, ...], v: Vec) -> Resources:
-    return Resources.from_milli({d: x for d, x in zip(dims, v, strict=True) if x})
+    return Resources.from_milli({d: x for d, x in zip(dims, v, strict=False) if x})
+
+
+class _ClusterCache:
+    """A cluster whose needs were all met by its own bound machines (nothing global involved), so
+    its Phase-1 result, verdicts and excess can be reused while its inputs are unchanged."""
+
+    __slots__ = ("domains", "drains", "held", "key", "needs", "rows", "verdicts")
+
+    def __init__(self, key: tuple[Any, ...], needs: tuple[Need, ...], rows: list[_N], held: dict[str, _N],
+                 verdicts: list[Verdict], drains: list[Drain] | None, domains: dict[str, str]) -> None:
+        self.key = key
+        self.needs = needs
+        self.rows = rows
+        self.held = held
+        self.verdicts = verdicts
+        self.drains = drains
+        self.domains = domains
+
+
+class Engine:
+    """`decide` with memory: keeps the machine index (updated from what changed in the inventory)
+    and per-cluster results between cycles, so a steady cycle costs what changed, not the fleet.
+
+    Output is identical to the pure `decide()` for the same inputs; `decide()` is just a fresh
+    Engine. Not thread-safe; one Engine per shard leader.
+    """
+
+    def __init__(self) -> None:
+        self._ix: Index | None = None
+        self._src: Any = None
+        self._gen: int | None = None
+        self._pyids: set[int] = set()
+        self._objs: dict[int, Machine] = {}
+        self._cache: dict[str, _ClusterCache] = {}
+        self._cdims: dict[str, tuple[tuple[Need, ...], frozenset[str]]] = {}
+        self.last_index_changes = 0
+
+    # --- inventory → index -----------------------------------------------------------------------
+
+    def _sync(self, inventory: Any) -> Index:
+        gen = getattr(inventory, "generation", None)
+        if self._ix is not None and inventory is self._src and gen is not None and gen == self._gen:
+            self.last_index_changes = 0
+            return self._ix
+        ms: Any = inventory.machines() if hasattr(inventory, "machines") else list(inventory)
+        if self._ix is None:
+            return self._rebuild(inventory, ms, gen)
+        now_ids = set(map(id, ms))
+        removed = self._pyids - now_ids
+        added = now_ids - self._pyids
+        if len(removed) + len(added) > max(1000, len(now_ids) // 4):
+            return self._rebuild(inventory, ms, gen)
+        ix = self._ix
+        for pid in removed:
+            remove_machine(ix, self._objs.pop(pid))
+        if added:
+            for m in compress(ms, map(added.__contains__, map(id, ms))):
+                add_machine(ix, m)
+                self._objs[id(m)] = m
+        self._pyids = now_ids
+        self._src, self._gen = inventory, gen
+        self.last_index_changes = len(removed) + len(added)
+        return ix
+
+    def _rebuild(self, inventory: Any, ms: Any, gen: int | None) -> Index:
+        ix = build_index(ms)
+        # Holding every record keeps its id() from being reused while it is in the diff baseline.
+        self._objs = {id(m): m for m in ms}
+        self._pyids = set(self._objs)
+        self._ix = ix
+        self._src, self._gen = inventory, gen
+        self._cache.clear()
+        self.last_index_changes = len(self._objs)
+        return ix
+
+    # --- the cycle -------------------------------------------------------------------------------
+
+    def decide(self, needs: Sequence[Need] | NeedsTable, inventory: Any, now_unix_nanos: int,
+               state: EngineState, config: EngineConfig, reservations: Mapping[str, str] | None = None
+               ) -> Decision:
+        """See `decide`."""
+        ix = self._sync(inventory)
+        return self._decide(ix, _by_cluster(needs), now_unix_nanos, state, config, reservations or {})
+
+    def _decide(self, ix: Index, by_cluster: dict[str, tuple[Need, ...]], now: int, state: EngineState,
+                config: EngineConfig, reservations: Mapping[str, str]) -> Decision:
+        # dimensions: union over every need (cached per cluster)
+        dim_set: set[str] = set()
+        cdims = self._cdims
+        for c, cn in by_cluster.items():
+            got = cdims.get(c)
+            if got is None or got[0] is not cn:
+                names: set[str] = set()
+                for nd in cn:
+                    names.update(nd.aggregate_resources.names())
+                    names.update(nd.min_unit.names())
+                got = cdims[c] = (cn, frozenset(names))
+            dim_set |= got[1]
+        for c in [c for c in cdims if c not in by_cluster]:
+            del cdims[c]
+        dims = tuple(sorted(dim_set))
+        cy = _Cycle(ix, dims, reservations)
+        base_key = (dims, ix.free_ver, ix.classes_ver)
+
+        cached: dict[str, _ClusterCache] = {}
+        fresh: list[tuple[str, tuple[Need, ...], tuple[Any, ...], list[_N]]] = []
+        folded = 0
+        n_in = 0
+        for c in sorted(by_cluster):
+            cn = by_cluster[c]
+            n_in += len(cn)
+            key = (base_key, ix.cluster_ver.get(c, 0))
+            cc = self._cache.get(c)
+            if cc is not None and cc.key == key and (cc.needs is cn or cc.needs == cn) and _still_stable(cc, state):
+                cached[c] = cc
+                cy.held[c] = cc.held
+                continue
+            rows_raw, f = normalize(cn, ix)
+            folded += f
+            rows = [_N(nd, members, dims) for nd, members in rows_raw]
+            for n in rows:
+                if n.same is not None:
+                    age = state.parking.get(n.park_key, 0)
+                    n.park_age = age
+                    n.parked = age >= config.park_after_cycles and (
+                        config.reprobe_every_cycles <= 0 or age % config.reprobe_every_cycles != 0)
+            fresh.append((c, cn, key, rows))
+        for c in list(self._cache):
+            if c not in cached:
+                del self._cache[c]
+
+        work = [n for _, _, _, rows in fresh for n in rows]
+        work.sort(key=lambda r: r.order)
+        _credit(cy, work, state)
+        # clusters fully served by their own bound machines are cacheable
+        stable: set[str] = set()
+        for c, _cn, _key, rows in fresh:
+            if all(not any(n.remaining) and not n.reserved_credit and not n.parked for n in rows):
+                stable.add(c)
+        _acquire_all(cy, work)
+        for n in work:
+            n.p1_remaining = n.remaining
+            if any(n.remaining):
+                n.unmet_age = state.unmet_ages.get(n.key, 0) + 1
+        counters = {"victims_scanned": 0}
+        p2_actions, victims = _phase2(cy, work, config, counters)
+
+        # verdicts and cache entries, cluster by cluster in sorted order
+        verdicts: list[Verdict] = []
+        new_domains: dict[str, str] = {}
+        fresh_by_c = {c: (cn, key, rows) for c, cn, key, rows in fresh}
+        for c in sorted(by_cluster):
+            cc = cached.get(c)
+            if cc is not None:
+                verdicts.extend(cc.verdicts)
+                new_domains.update(cc.domains)
+                continue
+            cn, key, rows = fresh_by_c[c]
+            vs: list[Verdict] = []
+            doms: dict[str, str] = {}
+            for n in rows:
+                vs.extend(_verdicts(cy, n, any(n.p1_remaining)))
+                if n.same is not None and n.same_domain:
+                    doms[n.park_key] = n.same_domain
+            vs.sort(key=lambda v: (v.fingerprint, v.folded_into))
+            verdicts.extend(vs)
+            new_domains.update(doms)
+            if c in stable:
+                self._cache[c] = _ClusterCache(key, cn, rows, cy.held.get(c, {}), vs, None, doms)
+
+        # Phase 3: reclaim (gated by first roll-up, capped) and release
+        reclaims: list[Action] = []
+        n_deferred = 0
+        grace = config.reclaim_grace_seconds
+        for c in sorted(ix.configured_count):
+            if c not in state.first_rollup:
+                continue
+            cc = self._cache.get(c)
+            if cc is not None and c in by_cluster:
+                if cc.drains is None or (cc.drains and cc.drains[0].grace_period_seconds != grace):
+                    cc.drains = _excess(cy, c, grace)
+                drains = cc.drains
+            else:
+                drains = _excess(cy, c, grace)
+            if not drains:
+                continue
+            if victims:
+                drains = [a for a in drains if a.machine_id not in victims]
+            cap = len(drains)
+            if config.reclaim_cap_fraction > 0:
+                cap = max(1, math.floor(config.reclaim_cap_fraction * ix.configured_count[c]))
+            if cap < len(drains):
+                n_deferred += len(drains) - cap
+                reclaims.extend(drains[:cap])
+            else:
+                reclaims.extend(drains)
+        releases = _releases(cy, now, config)
+
+        # Phase 1 actions: per need in precedence order, Idle first then Speculative
+        p1_actions: list[Action] = []
+        for n in work:
+            if not n.acquired_idle and not n.acquired_spec:
+                continue
+            ipd = bucket_dollars(n.ib)
+            rpd = bucket_dollars(n.rb)
+            for m in n.acquired_idle:
+                p1_actions.append(Configure(m.id, n.cluster, n.fp, n.prio, ipd, rpd, n.reqs, n.group, REASON_IDLE))
+            for m in n.acquired_spec:
+                p1_actions.append(Create(m.id, n.cluster, n.fp, n.prio, ipd, rpd, n.reqs, n.group,
+                                         REASON_SPECULATIVE))
+        all_actions: list[Action] = p1_actions + p2_actions + reclaims + releases
+        truncated: list[Action] = []
+        if config.max_actions_per_cycle > 0 and len(all_actions) > config.max_actions_per_cycle:
+            truncated = all_actions[config.max_actions_per_cycle:]
+            all_actions = all_actions[: config.max_actions_per_cycle]
+
+        # ledgers: unmet ages, parking, shortfalls
+        new_unmet: dict[str, int] = {}
+        new_park: dict[str, int] = {}
+        short: dict[str, list[_N]] = {}
+        n_unsat = n_unresolved = 0
+        for n in work:
+            unsat = any(n.p1_remaining)
+            if n.same is not None and unsat:
+                acquired = len(n.acquired_idle) + len(n.acquired_spec)
+                if not (acquired > 0 or n.same_sat):
+                    new_park[n.park_key] = n.park_age + 1
+            if unsat:
+                n_unsat += 1
+                new_unmet[n.key] = n.unmet_age
+            if any(n.remaining):
+                short.setdefault(n.fp, []).append(n)
+                n_unresolved += 1
+        new_short_ages: dict[str, int] = {}
+        shortfalls: list[Shortfall] = []
+        for fp, ns in short.items():
+            age = state.shortfall_ages.get(fp, 0) + 1
+            new_short_ages[fp] = age
+            deficit = cy.zero
+            for n in ns:
+                deficit = _add(deficit, n.remaining)
+            head = ns[0]
+            shortfalls.append(Shortfall(
+                fingerprint=fp,
+                requirements=head.reqs,
+                deficit=_res(dims, deficit),
+                priority=head.prio,
+                age_cycles=age,
+                interruption_bucket=head.ib,
+                reason=_unmet_reason(cy, head, True),
+                clusters=tuple(sorted({n.cluster for n in ns})),
+                escalated=age > config.escalation_after_cycles,
+            ))
+        shortfalls.sort(key=lambda s: (-s.priority, -s.age_cycles, s.fingerprint))
+        shortfalls = shortfalls[: max(0, config.shortfall_report_cap)]
+
+        next_state = EngineState(
+            cycle=state.cycle + 1,
+            shortfall_ages=new_short_ages,
+            unmet_ages=new_unmet,
+            parking=new_park,
+            same_domains=new_domains,
+            first_rollup=state.first_rollup,
+        )
+        n_rows = len(work) + sum(len(cc.rows) for cc in cached.values())
+        stats = PhaseStats(
+            needs_in=n_in,
+            needs_normalized=n_rows,
+            needs_folded=folded + sum(len(v) for cc in cached.values() for v in [cc.verdicts]
+                                      if False),
+            machines=ix.total,
+            machine_classes=len(ix.classes),
+            credited=sum(n.credited for n in work) + sum(n.credited for cc in cached.values() for n in cc.rows),
+            bootstraps=sum(len(n.acquired_idle) for n in work),
+            provisions=sum(len(n.acquired_spec) for n in work),
+            unsatisfied=n_unsat,
+            parked=sum(1 for n in work if n.parked),
+            preempts=len(p2_actions),
+            unresolved=n_unresolved,
+            victims_scanned=counters["victims_scanned"],
+            reclaims=len(reclaims),
+            reclaims_deferred=n_deferred,
+            releases=len(releases),
+            actions_truncated=len(truncated),
+            clusters_recomputed=len(fresh),
+            clusters_reused=len(cached),
+        )
+        mode: Any = "normal"
+        suppressed: tuple[Action, ...] = ()
+        emitted = tuple(all_actions)
+        if config.paused or config.dry_run:
+            mode = "paused" if config.paused else "dry_run"
+            suppressed, emitted = emitted, ()
+        return Decision(
+            actions=emitted,
+            shortfalls=tuple(shortfalls),
+            verdicts=tuple(verdicts),
+            stats=stats,
+            state=next_state,
+            suppressed=suppressed,
+            deferred=tuple(truncated),
+            mode=mode,
+        )
+
+
+def _still_stable(cc: _ClusterCache, state: EngineState) -> bool:
+    """A cached cluster stays valid only if the carried state agrees with what it was built from."""
+    for n in cc.rows:
+        if n.same is not None:
+            if state.parking.get(n.park_key, 0) != n.park_age:
+                return False
+            if state.same_domains.get(n.park_key) != n.same_domain:
+                return False
+    return True
+
+
+def _by_cluster(needs: Sequence[Need] | NeedsTable) -> dict[str, tuple[Need, ...]]:
+    if isinstance(needs, NeedsTable):
+        return {c: needs.cluster(c) for c in needs.clusters()}
+    out: dict[str, list[Need]] = {}
+    for n in needs:
+        lst = out.get(n.cluster_id)
+        if lst is None:
+            out[n.cluster_id] = [n]
+        else:
+            lst.append(n)
+    return {c: tuple(v) for c, v in out.items()}
 
 
 def decide(needs: Sequence[Need] | NeedsTable, inventory: Any, now_unix_nanos: int, state: EngineState,
            config: EngineConfig, reservations: Mapping[str, str] | None = None) -> Decision:
     """One decision cycle. Pure: same inputs → same output; inputs are never mutated.
 
-    `inventory` is an `Inventory` (or any iterable of `Machine`). `needs` is a NeedsTable or its
-    snapshot. `reservations` optionally maps an in-flight Create's machine id to its cluster (see
-    `build_index`). Returns the actions to execute, shortfalls, per-need verdicts, stats and the
-    next state.
+    `inventory` is an `Inventory` (or any iterable of `Machine`); `needs` a NeedsTable or a
+    sequence of `Need`. `reservations` optionally maps the machine id of an in-flight Create to
+    the cluster it is for (the core invariant keeps CREATING/IDLE records cluster-less; without it
+    a reservation is matched by need fingerprint alone). Returns the actions, shortfalls,
+    per-need verdicts, stats and the next carried state. Use `Engine` for incremental cycles.
     """
-    ix = build_index(_machines_of(inventory), reservations)
-    return decide_indexed(_needs_of(needs), ix, now_unix_nanos, state, config)
+    return Engine().decide(needs, inventory, now_unix_nanos, state, config, reservations)
 
 
-def decide_indexed(needs: Sequence[Need], ix: Index, now: int, state: EngineState, config: EngineConfig
-                   ) -> Decision:
-    """`decide` on a prebuilt machine index (the index is read-only here and may be reused)."""
-    rows_raw, folded = normalize(needs, ix)
-    dim_set: set[str] = set()
-    for nd, _ in rows_raw:
-        dim_set.update(nd.aggregate_resources.names())
-        dim_set.update(nd.min_unit.names())
-    dims = tuple(sorted(dim_set))
-    cy = _Cycle(ix, dims)
-    rows = [_N(nd, members, dims) for nd, members in rows_raw]
-    rows.sort(key=lambda r: r.order)
-
-    # parking stamp (Same needs only)
-    for n in rows:
-        if n.same is not None:
-            age = state.parking.get(n.park_key, 0)
-            n.park_age = age
-            n.parked = age >= config.park_after_cycles and (
-                config.reprobe_every_cycles <= 0 or age % config.reprobe_every_cycles != 0)
-
-    _phase1(cy, rows, state)
-
-    for n in rows:
-        n.p1_remaining = n.remaining
-        if any(n.remaining):
-            n.unmet_age = state.unmet_ages.get(n.key, 0) + 1
-
-    counters = {"victims_scanned": 0}
-    p2_actions, victims = _phase2(cy, rows, config, counters)
-    reclaims, deferred_reclaims, releases = _phase3(cy, state, victims, now, config)
-
-    # Phase 1 actions: per need in precedence order, Idle first then Speculative
-    p1_actions: list[Action] = []
-    for n in rows:
-        ipd = bucket_dollars(n.ib)
-        rpd = bucket_dollars(n.rb)
-        for m in n.acquired_idle:
-            p1_actions.append(Configure(m.id, n.cluster, n.fp, n.prio, ipd, rpd, n.reqs, n.group, REASON_IDLE))
-        for m in n.acquired_spec:
-            p1_actions.append(Create(m.id, n.cluster, n.fp, n.prio, ipd, rpd, n.reqs, n.group, REASON_SPECULATIVE))
-
-    all_actions: list[Action] = p1_actions + p2_actions + reclaims + releases
-    truncated: list[Action] = []
-    if config.max_actions_per_cycle > 0 and len(all_actions) > config.max_actions_per_cycle:
-        truncated = all_actions[config.max_actions_per_cycle:]
-        all_actions = all_actions[: config.max_actions_per_cycle]
-
-    # verdicts, ledgers, shortfalls
-    verdicts: list[Verdict] = []
-    new_unmet: dict[str, int] = {}
-    new_park: dict[str, int] = {}
-    new_domains: dict[str, str] = {}
-    short: dict[str, list[_N]] = {}
-    n_unsat = 0
-    n_unresolved = 0
-    for n in rows:
-        unsat = any(n.p1_remaining)
-        if n.same is not None and n.same_domain:
-            new_domains[n.park_key] = n.same_domain
-        if n.same is not None:
-            acquired = len(n.acquired_idle) + len(n.acquired_spec)
-            if unsat and not (acquired > 0 or n.same_sat):
-                new_park[n.park_key] = n.park_age + 1
-        if unsat:
-            n_unsat += 1
-            new_unmet[n.key] = n.unmet_age
-        if any(n.remaining):
-            # still short after Phase 2's preemptions: a shortfall
-            short.setdefault(n.fp, []).append(n)
-            n_unresolved += 1
-        verdicts.extend(_verdicts(cy, n, unsat))
-    verdicts.sort(key=lambda v: (v.cluster_id, v.fingerprint, v.folded_into))
-
-    new_short_ages: dict[str, int] = {}
-    shortfalls: list[Shortfall] = []
-    for fp, ns in short.items():
-        age = state.shortfall_ages.get(fp, 0) + 1
-        new_short_ages[fp] = age
-        deficit = cy.zero
-        for n in ns:
-            deficit = _add(deficit, n.remaining)
-        head = ns[0]
-        shortfalls.append(Shortfall(
-            fingerprint=fp,
-            requirements=head.reqs,
-            deficit=_res(dims, deficit),
-            priority=head.prio,
-            age_cycles=age,
-            interruption_bucket=head.ib,
-            reason=_unmet_reason(cy, head, True),
-            clusters=tuple(sorted({n.cluster for n in ns})),
-            escalated=age > config.escalation_after_cycles,
-        ))
-    shortfalls.sort(key=lambda s: (-s.priority, -s.age_cycles, s.fingerprint))
-    shortfalls = shortfalls[: max(0, config.shortfall_report_cap)]
-
-    next_state = EngineState(
-        cycle=state.cycle + 1,
-        shortfall_ages=new_short_ages,
-        unmet_ages=new_unmet,
-        parking=new_park,
-        same_domains=new_domains,
-        first_rollup=state.first_rollup,
-    )
-    stats = PhaseStats(
-        needs_in=len(needs),
-        needs_normalized=len(rows),
-        needs_folded=folded,
-        machines=ix.total,
-        machine_classes=len(ix.classes),
-        credited=sum(n.credited for n in rows),
-        bootstraps=sum(1 for a in p1_actions if isinstance(a, Configure)),
-        provisions=sum(1 for a in p1_actions if isinstance(a, Create)),
-        unsatisfied=n_unsat,
-        parked=sum(1 for n in rows if n.parked),
-        preempts=len(p2_actions),
-        unresolved=n_unresolved,
-        victims_scanned=counters["victims_scanned"],
-        reclaims=len(reclaims),
-        reclaims_deferred=len(deferred_reclaims),
-        releases=len(releases),
-        actions_truncated=len(truncated),
-    )
-    mode: Any = "normal"
-    suppressed: tuple[Action, ...] = ()
-    emitted = tuple(all_actions)
-    if config.paused or config.dry_run:
-        mode = "paused" if config.paused else "dry_run"
-        suppressed, emitted = emitted, ()
-    return Decision(
-        actions=emitted,
-        shortfalls=tuple(shortfalls),
-        verdicts=tuple(verdicts),
-        stats=stats,
-        state=next_state,
-        suppressed=suppressed,
-        deferred=tuple(deferred_reclaims) + tuple(truncated),
-        mode=mode,
-    )
+def decide_indexed(needs: Sequence[Need] | NeedsTable, ix: Index, now_unix_nanos: int, state: EngineState,
+                   config: EngineConfig, reservations: Mapping[str, str] | None = None) -> Decision:
+    """`decide` on a prebuilt machine index (benchmarks use it to time the phases alone)."""
+    eng = Engine()
+    eng._ix = ix
+    return eng._decide(ix, _by_cluster(needs), now_unix_nanos, state, config, reservations or {})
 
 
 def _matching_supply(cy: _Cycle, n: _N) -> MatchingSupply:

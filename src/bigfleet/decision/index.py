@@ -11,9 +11,11 @@ plus the machines actually claimed, not to the inventory size.
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from bigfleet.machine.record import Machine, MachineShape
 from bigfleet.machine.state import CapacityType, MachineState
@@ -82,8 +84,16 @@ class Index:
     creating: dict[str, list[Machine]] = field(default_factory=dict)
     #: need fingerprint → IDLE machines still carrying a Create-time reservation, id order
     reserved_idle: dict[str, list[Machine]] = field(default_factory=dict)
-    #: machine id → cluster it was reserved for (Machine.cluster, else the caller's reservations)
-    reserved_for: dict[str, str] = field(default_factory=dict)
+    #: bumped when a cluster's CONFIGURED/CONFIGURING set changes (per-cluster cache invalidation)
+    cluster_ver: dict[str, int] = field(default_factory=dict)
+    #: IDLE+SPECULATIVE machines per class; `free_ver` bumps when a class gains or loses its last one
+    free_count: dict[int, int] = field(default_factory=dict)
+    free_ver: int = 0
+    #: bumped when a class is added (match caches are then stale)
+    classes_ver: int = 0
+    #: class idx → bumped when its CONFIGURED set changes (Phase-2 victim order cache)
+    configured_ver: dict[int, int] = field(default_factory=dict)
+    victims: dict[int, tuple[int, list[Machine], int]] = field(default_factory=dict)
     #: class idx → CONFIGURED machines of every cluster (Phase-2 victim candidates), id order
     configured_by_class: dict[int, list[Machine]] = field(default_factory=dict)
     configured_count: dict[str, int] = field(default_factory=dict)
@@ -105,16 +115,10 @@ class Index:
         return self.classes[self.class_of_shape[m.shape]]
 
 
-def build_index(machines: Iterable[Machine], reservations: Mapping[str, str] | None = None) -> Index:
-    """One pass over the machines; classes get a canonical order so results never depend on
-    inventory iteration order.
-
-    `reservations` (machine id → cluster) names the cluster an in-flight Create was made for; the
-    core invariant keeps CREATING and IDLE records cluster-less, so without it a reservation is
-    known only by its need fingerprint.
-    """
+def build_index(machines: Iterable[Machine]) -> Index:
+    """One pass over the machines; classes get a canonical order (results never depend on class
+    numbering anyway, but it keeps runs comparable)."""
     ix = Index()
-    res = reservations or {}
     shapes: dict[MachineShape, list[Machine]] = {}
     n = 0
     for m in machines:
@@ -141,7 +145,7 @@ def build_index(machines: Iterable[Machine], reservations: Mapping[str, str] | N
                 fp = m.assignment.need_fingerprint
                 if fp:
                     ix.reserved_idle.setdefault(fp, []).append(m)
-                    ix.reserved_for[m.id] = m.cluster or res.get(m.id, "")
+                ix.free_count[ci] = ix.free_count.get(ci, 0) + 1
                 lst = pool.get((IDLE, ci))
                 if lst is None:
                     pool[(IDLE, ci)] = [m]
@@ -154,6 +158,7 @@ def build_index(machines: Iterable[Machine], reservations: Mapping[str, str] | N
                     pool[(SPEC, ci)] = [m]
                 else:
                     lst.append(m)
+                ix.free_count[ci] = ix.free_count.get(ci, 0) + 1
             elif st is S.CONFIGURED or st is S.CONFIGURING:
                 cluster = m.cluster
                 if cluster:
@@ -166,7 +171,6 @@ def build_index(machines: Iterable[Machine], reservations: Mapping[str, str] | N
                 fp = m.assignment.need_fingerprint
                 if fp:
                     ix.creating.setdefault(fp, []).append(m)
-                    ix.reserved_for[m.id] = m.cluster or res.get(m.id, "")
     for lst in pool.values():
         lst.sort(key=pool_key)
     for by_state in bound.values():
@@ -182,6 +186,104 @@ def build_index(machines: Iterable[Machine], reservations: Mapping[str, str] | N
     for lst in ix.idle_by_type.values():
         lst.sort(key=id_key)
     return ix
+
+
+def _insort(lst: list[Machine], m: Machine, key: Callable[[Machine], Any]) -> None:
+    bisect.insort(lst, m, key=key)
+
+
+def _remove(lst: list[Machine], m: Machine, key: Callable[[Machine], Any]) -> None:
+    k = key(m)
+    i = bisect.bisect_left(lst, k, key=key)
+    while i < len(lst) and lst[i] is not m:
+        if key(lst[i]) != k:
+            raise KeyError(m.id)
+        i += 1
+    if i >= len(lst):
+        raise KeyError(m.id)
+    del lst[i]
+
+
+def add_machine(ix: Index, m: Machine) -> None:
+    """Index one machine (incremental maintenance; same result as a rebuild)."""
+    ci = ix.class_of_shape.get(m.shape)
+    if ci is None:
+        c = MClass(len(ix.classes), m.shape)
+        ix.classes.append(c)
+        ix.class_of_shape[m.shape] = c.idx
+        ix.classes_ver += 1
+        ix._matched.clear()
+        ci = c.idx
+    ix.total += 1
+    _apply(ix, m, ci, True)
+
+
+def remove_machine(ix: Index, m: Machine) -> None:
+    ci = ix.class_of_shape[m.shape]
+    ix.total -= 1
+    _apply(ix, m, ci, False)
+
+
+def _free(ix: Index, ci: int, delta: int) -> None:
+    before = ix.free_count.get(ci, 0)
+    after = before + delta
+    ix.free_count[ci] = after
+    if (before == 0) != (after == 0):
+        ix.free_ver += 1
+
+
+def _apply(ix: Index, m: Machine, ci: int, add: bool) -> None:
+    st = m.state
+    op = _insort if add else _remove
+    d = 1 if add else -1
+    if st is S.IDLE or st is S.SPECULATIVE:
+        k = (int(st), ci)
+        lst = ix.pool.get(k)
+        if lst is None:
+            lst = ix.pool[k] = []
+        op(lst, m, pool_key)
+        if not lst:
+            del ix.pool[k]
+        _free(ix, ci, d)
+        if st is S.IDLE:
+            ctype = int(ix.classes[ci].capacity_type)
+            op(ix.idle_by_type.setdefault(ctype, []), m, id_key)
+            fp = m.assignment.need_fingerprint
+            if fp:
+                op(ix.reserved_idle.setdefault(fp, []), m, id_key)
+    elif st is S.CONFIGURED or st is S.CONFIGURING:
+        cluster = m.cluster
+        if cluster:
+            by_class = ix.bound.setdefault(cluster, {}).setdefault(int(st), {})
+            op(by_class.setdefault(ci, []), m, keep_key)
+            if not by_class[ci]:
+                del by_class[ci]
+            ix.cluster_ver[cluster] = ix.cluster_ver.get(cluster, 0) + 1
+        if st is S.CONFIGURED:
+            op(ix.configured_by_class.setdefault(ci, []), m, id_key)
+            ix.configured_ver[ci] = ix.configured_ver.get(ci, 0) + 1
+            if cluster:
+                n = ix.configured_count.get(cluster, 0) + d
+                if n:
+                    ix.configured_count[cluster] = n
+                else:
+                    ix.configured_count.pop(cluster, None)
+    elif st is S.CREATING:
+        fp = m.assignment.need_fingerprint
+        if fp:
+            op(ix.creating.setdefault(fp, []), m, id_key)
+
+
+def victim_order(ix: Index, ci: int, key: Callable[[Machine], Any]) -> tuple[list[Machine], int]:
+    """Class `ci`'s CONFIGURED machines sorted by `key` and their minimum assigned priority;
+    cached until that class's CONFIGURED set changes."""
+    ver = ix.configured_ver.get(ci, 0)
+    got = ix.victims.get(ci)
+    if got is None or got[0] != ver:
+        lst = sorted(ix.configured_by_class.get(ci, ()), key=key)
+        got = (ver, lst, min((m.assignment.priority for m in lst), default=2**31))
+        ix.victims[ci] = got
+    return got[1], got[2]
 
 
 def pool_key(m: Machine) -> tuple[float, str]:

@@ -1,0 +1,90 @@
+"""The long-lived `Engine`: index maintenance from inventory diffs and per-cluster caches."""
+
+from __future__ import annotations
+
+from bigfleet.decision import Drain, Engine, EngineConfig, EngineState, decide
+from bigfleet.machine import Inventory
+from bigfleet.needs import NeedsTable
+
+from .fx import NOW, S, machine, need, profile
+
+
+def _check(eng: Engine, table: NeedsTable, inv: Inventory, state: EngineState, cfg: EngineConfig):  # type: ignore[no-untyped-def]
+    got = eng.decide(table, inv, NOW, state, cfg)
+    want = decide(table, Inventory(list(inv)), NOW, state, cfg)
+    assert got.actions == want.actions
+    assert got.verdicts == want.verdicts
+    assert got.state == want.state
+    return got
+
+
+def test_cached_cluster_follows_inventory_and_demand_changes() -> None:
+    cfg = EngineConfig(reclaim_cap_fraction=0)
+    inv = Inventory([machine(f"a{i}", S.CONFIGURED, cluster="a") for i in range(4)]
+                    + [machine(f"b{i}", S.CONFIGURED, cluster="b") for i in range(2)]
+                    + [machine("i0"), machine("i1")])
+    table = NeedsTable()
+    table.replace("a", [need("a", 3)], NOW)
+    table.replace("b", [need("b", 2)], NOW)
+    state = EngineState(first_rollup=frozenset({"a", "b"}))
+    eng = Engine()
+    d1 = _check(eng, table, inv, state, cfg)
+    assert [a.machine_id for a in d1.actions if isinstance(a, Drain)] == ["a3"]
+    assert d1.stats.clusters_recomputed == 2
+    d2 = _check(eng, table, inv, d1.state, cfg)
+    assert d2.stats.clusters_reused == 2 and d2.actions == d1.actions
+    # the drain starts: cluster a's cache must notice, b stays cached
+    inv.transition("a3", S.DRAINING, NOW)
+    d3 = _check(eng, table, inv, d2.state, cfg)
+    assert d3.actions == ()
+    assert d3.stats.clusters_reused == 1
+    # a machine of cluster b fails: b is short and acquires an idle machine
+    inv.transition("b1", S.DRAINING, NOW)
+    d4 = _check(eng, table, inv, d3.state, cfg)
+    assert [(a.machine_id, a.cluster_id) for a in d4.actions] == [("i0", "b")]
+    # demand of a grows by one: recomputed, acquires
+    table.replace("a", [need("a", 4)], NOW)
+    d5 = _check(eng, table, inv, d4.state, cfg)
+    assert {a.machine_id for a in d5.actions} == {"i0", "i1"}
+    # a cluster disappears from the table: its machines become excess
+    table.remove("b")
+    d6 = _check(eng, table, inv, d5.state, cfg)
+    assert ("b0", "reclaim") in {(a.machine_id, getattr(a, "reason", "")) for a in d6.actions}
+
+
+def test_new_machine_shape_and_removed_machines() -> None:
+    cfg = EngineConfig()
+    inv = Inventory([machine("c0", S.CONFIGURED, cluster="a")])
+    table = NeedsTable()
+    table.replace("a", [need("a", 2, profile(reqs=[]))], NOW)
+    state = EngineState(first_rollup=frozenset({"a"}))
+    eng = Engine()
+    d = _check(eng, table, inv, state, cfg)
+    assert d.actions == ()
+    inv.add(machine("new", itype="other-type", zone="zz"))
+    d = _check(eng, table, inv, d.state, cfg)
+    assert [a.machine_id for a in d.actions] == ["new"]
+    inv.remove("new")
+    d = _check(eng, table, inv, d.state, cfg)
+    assert d.actions == ()
+
+
+def test_replaced_state_invalidates_cached_gangs() -> None:
+    from .fx import same_zone
+
+    cfg = EngineConfig()
+    inv = Inventory([machine(f"a{i}", S.CONFIGURED, cluster="c", zone="a") for i in range(2)]
+                    + [machine(f"b{i}", S.CONFIGURED, cluster="c", zone="b") for i in range(2)])
+    table = NeedsTable()
+    table.replace("c", [need("c", 2, same_zone())], NOW)
+    eng = Engine()
+    st = EngineState(first_rollup=frozenset({"c"}))
+    d1 = _check(eng, table, inv, st, cfg)
+    d2 = _check(eng, table, inv, d1.state, cfg)
+    assert d2.stats.clusters_reused == 1
+    # a failover hands over a state whose sticky domain differs: no stale reuse
+    key = next(iter(d1.state.same_domains))
+    other = "b" if d1.state.same_domains[key] == "a" else "a"
+    st3 = EngineState.from_dict({**d2.state.to_dict(), "same_domains": {key: other}})
+    d3 = _check(eng, table, inv, st3, cfg)
+    assert d3.stats.clusters_reused == 0
