@@ -729,8 +729,12 @@ def fuzz_atheris(name: str, *, seconds: float, crash_dir: Path, corpus_root: Pat
         stats.crashes = 1
         found = re.findall(r"Test unit written to (\S+)", out)
         stats.crash_files = found
-        tail = [ln for ln in out.splitlines() if ln.strip()][-12:]
-        stats.note = " | ".join(tail)[-400:]
+        lines = out.splitlines()
+        marker = [i for i, ln in enumerate(lines) if "Uncaught Python exception" in ln]
+        if marker and marker[0] + 1 < len(lines):
+            stats.note = lines[marker[0] + 1].strip()[:200]
+        else:
+            stats.note = " | ".join(ln for ln in lines[-12:] if ln.strip())[-300:]
     return stats
 
 
