@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from bigfleet.rpc import new_server
+from bigfleet.security.identity import peer_identity
+from bigfleet.security.tls import TLSConfig, add_port
 from bigfleet.testing import free_port
 from bigfleet.v1alpha1 import capacity_pb2, shard_pb2, shard_pb2_grpc
 
@@ -33,6 +35,7 @@ class FakeShard(shard_pb2_grpc.ShardServicer):
         self.bootstrap_responses: list[shard_pb2.BootstrapBlobResponse] = []
         self.reclaim_acks: list[shard_pb2.ReclaimAck] = []
         self.hellos: list[shard_pb2.Hello] = []
+        self.peers: list[str] = []
         self.conns: dict[str, Conn] = {}
         self.sessions_opened = 0
         self.active = 0
@@ -43,10 +46,10 @@ class FakeShard(shard_pb2_grpc.ShardServicer):
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    async def start(self) -> FakeShard:
+    async def start(self, tls: TLSConfig | None = None) -> FakeShard:
         self.server, _ = new_server()
         shard_pb2_grpc.add_ShardServicer_to_server(self, self.server)
-        self.server.add_insecure_port(self.target)
+        add_port(self.server, self.target, tls)
         await self.server.start()
         return self
 
@@ -65,6 +68,7 @@ class FakeShard(shard_pb2_grpc.ShardServicer):
         if first.WhichOneof("payload") != "hello" or not first.hello.cluster_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first frame must be Hello with cluster_id")
         self.hellos.append(first.hello)
+        self.peers.append(str(peer_identity(context)))
         conn = Conn(first.hello.cluster_id)
         old = self.conns.get(conn.cluster_id)
         if old is not None:

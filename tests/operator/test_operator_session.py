@@ -269,3 +269,23 @@ def test_backoff_doubles_caps_and_jitters(seed: int) -> None:
     assert 0.8 <= delays[1] <= 1.2
     b.reset()
     assert b.next() <= 0.6
+
+
+async def test_mtls_session_presents_the_cluster_identity(kube: KubeTestServer, api: Any, tmp_path: Any) -> None:
+    from bigfleet.security.certs import make_local_pki
+    from bigfleet.security.tls import TLSConfig
+
+    files = make_local_pki(tmp_path / "pki", clusters=("c1",), shards=("shard-0",))
+    d = tmp_path / "pki"
+    shard_tls = TLSConfig.from_paths(d / "shard-shard-0.crt", d / "shard-shard-0.key", d / "ca.crt")
+    op_tls = TLSConfig.from_paths(d / "cluster-c1.crt", d / "cluster-c1.key", d / "ca.crt")
+    assert files
+    shard = await FakeShard().start(tls=shard_tls)
+    try:
+        op = make_op(api, shard)
+        op.session.tls = op_tls
+        async with running(op):
+            await eventually(lambda: shard.rollups, what="roll-up over mTLS")
+        assert shard.peers == ["bigfleet://cluster/c1"]
+    finally:
+        await shard.stop()

@@ -28,7 +28,7 @@ from bigfleet.operator.leader import LeaseElector
 from bigfleet.operator.metrics import OperatorMetrics
 from bigfleet.operator.rollup import build_rollup, demand_fingerprint
 from bigfleet.operator.session import Backoff, Resolver, SessionClient, StaticResolver
-from bigfleet.rpc import insecure_channel
+from bigfleet.security.tls import TLSConfig, dial
 from bigfleet.v1alpha1 import capacity_pb2, coordinator_pb2, coordinator_pb2_grpc, shard_pb2
 
 log = get_logger("bigfleet.operator")
@@ -53,6 +53,7 @@ class OperatorConfig:
     renew_deadline: float = 10.0
     retry_period: float = 2.0
     eviction_retry: float = 2.0
+    tls: TLSConfig | None = None
 
 
 class CoordinatorResolver:
@@ -63,8 +64,9 @@ class CoordinatorResolver:
     """
 
     def __init__(self, cluster_id: str, coordinators: tuple[str, ...], api: client.ApiClient, namespace: str,
-                 timeout: float = 5.0) -> None:
+                 timeout: float = 5.0, tls: TLSConfig | None = None) -> None:
         self.cluster_id = cluster_id
+        self.tls = tls
         self.coordinators = coordinators
         self.core: Any = client.CoreV1Api(api)
         self.namespace = namespace
@@ -78,7 +80,7 @@ class CoordinatorResolver:
     async def lookup(self) -> str | None:
         for addr in self.coordinators:
             try:
-                async with insecure_channel(addr) as ch:
+                async with dial(addr, self.tls) as ch:
                     stub = coordinator_pb2_grpc.CoordinatorStub(ch)
                     resp = await stub.LookupCluster(coordinator_pb2.LookupClusterRequest(cluster_id=self.cluster_id),
                                                     timeout=self.timeout)
@@ -168,13 +170,13 @@ class Operator:
         self.handlers = OperatorHandlers(cfg.cluster_id, self.writer, renderer)
         resolver: Resolver
         if cfg.coordinators:
-            resolver = CoordinatorResolver(cfg.cluster_id, cfg.coordinators, api, cfg.namespace)
+            resolver = CoordinatorResolver(cfg.cluster_id, cfg.coordinators, api, cfg.namespace, tls=cfg.tls)
         else:
             resolver = StaticResolver(cfg.shard_addr)
         self.resolver = resolver
         self.session = SessionClient(cfg.cluster_id, resolver, self.handlers, self.metrics,
                                      request_rollup=self.rollup_now, rollup_interval=cfg.rollup_interval,
-                                     backoff=backoff)
+                                     backoff=backoff, tls=cfg.tls)
         self.last_rollup: capacity_pb2.ClusterCapacityNeeds | None = None
         self._last_fp: bytes | None = None
         self.elector: LeaseElector | None = None

@@ -15,6 +15,7 @@ from bigfleet.observability import configure_logging, get_logger, start_metrics_
 from bigfleet.operator.app import Operator, OperatorConfig, read_file
 from bigfleet.operator.kube import api_client
 from bigfleet.operator.metrics import OperatorMetrics
+from bigfleet.security.tls import TLSConfig, add_tls_arguments, tls_from_args_or_exit
 
 
 def parser() -> argparse.ArgumentParser:
@@ -41,6 +42,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--retry-period", type=float, default=2.0)
     ap.add_argument("--log-level", default="info")
     ap.add_argument("--log-format", default="json", choices=["json", "console"])
+    add_tls_arguments(ap)
     return ap
 
 
@@ -56,7 +58,7 @@ async def _join_token(api: Any, namespace: str, ref: str) -> str:
     return base64.b64decode(raw).decode()
 
 
-async def run(args: argparse.Namespace) -> int:
+async def run(args: argparse.Namespace, tls: TLSConfig | None = None) -> int:
     log = get_logger("bigfleet.operator", cluster=args.cluster_id)
     metrics = OperatorMetrics()
     if args.metrics_addr not in ("", "0"):
@@ -79,6 +81,7 @@ async def run(args: argparse.Namespace) -> int:
         lease_duration=args.lease_duration,
         renew_deadline=args.renew_deadline,
         retry_period=args.retry_period,
+        tls=tls,
     )
     op = Operator(cfg, api, metrics)
     task = asyncio.create_task(op.run())
@@ -98,8 +101,10 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str]) -> int:
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
     if not args.shard_addr and not args.coordinator:
-        parser().error("one of --shard-addr or --coordinator is required")
+        ap.error("one of --shard-addr or --coordinator is required")
+    tls = tls_from_args_or_exit(ap, args)
     configure_logging(args.log_level, args.log_format, component="operator")
-    return asyncio.run(run(args))
+    return asyncio.run(run(args, tls))

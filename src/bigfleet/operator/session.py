@@ -8,7 +8,8 @@ roll-up at once and then every interval. Any failure ends the connection;
 the client redials with jittered exponential backoff (500 ms doubling to
 30 s), reset once a session is acknowledged. A session that ends with trailing
 metadata ``bigfleet-redirect: host:port`` (a shard that is not the leader, or
-is handing the cluster over) is redialled at that address at once.
+is handing the cluster over) is redialled at that address at once. With mTLS the
+operator presents its ``bigfleet://cluster/<id>`` certificate.
 
 Losing the shard never changes the cluster: handlers only run for frames the
 shard actually sent.
@@ -28,7 +29,7 @@ import grpc
 
 from bigfleet.observability import get_logger
 from bigfleet.operator.metrics import OperatorMetrics
-from bigfleet.rpc import insecure_channel
+from bigfleet.security.tls import TLSConfig, dial
 from bigfleet.v1alpha1 import capacity_pb2, shard_pb2, shard_pb2_grpc
 
 PROTOCOL_VERSION = "v1alpha1"
@@ -131,8 +132,10 @@ class SessionClient:
         request_rollup: Callable[[], Awaitable[object]],
         rollup_interval: float = 10.0,
         backoff: Backoff | None = None,
+        tls: TLSConfig | None = None,
     ) -> None:
         self.cluster_id = cluster_id
+        self.tls = tls
         self.resolver = resolver
         self.handlers = handlers
         self.metrics = metrics
@@ -240,7 +243,7 @@ class SessionClient:
             await asyncio.sleep(self.rollup_interval)
 
     async def _session(self, target: str) -> None:
-        async with insecure_channel(target) as channel:
+        async with dial(target, self.tls) as channel:
             stub = shard_pb2_grpc.ShardStub(channel)
             call = stub.Session()
             try:
