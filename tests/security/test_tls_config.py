@@ -104,3 +104,22 @@ def test_certs_cli_runs_as_a_module(tmp_path: Path) -> None:
         timeout=60,
     )
     assert bad.returncode == 2 and "invalid cluster id" in bad.stderr
+
+
+async def test_add_port_accepts_go_style_address_and_reports_bind_errors(pki: Pki) -> None:
+    import grpc
+
+    from bigfleet.security import add_port
+    from bigfleet.security.tls import normalize_listen
+    from bigfleet.testing import free_port
+
+    assert normalize_listen(":7780") == "[::]:7780"
+    assert normalize_listen("127.0.0.1:1") == "127.0.0.1:1"
+    server = grpc.aio.server()
+    port = free_port()
+    try:
+        assert add_port(server, f":{port}", None) == port
+        with pytest.raises(OSError, match="cannot bind"):
+            add_port(server, "256.1.1.1:1", TLSConfig.from_paths(pki.root / "admin.crt", pki.root / "admin.key", pki.ca_file))
+    finally:
+        await server.stop(None)

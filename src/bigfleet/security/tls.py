@@ -224,13 +224,25 @@ def tls_from_args_or_exit(parser: argparse.ArgumentParser, ns: argparse.Namespac
         raise  # unreachable: parser.error exits
 
 
+def normalize_listen(address: str) -> str:
+    """Go-style ``:7780`` (all interfaces) becomes ``[::]:7780``, which gRPC Python accepts."""
+    return f"[::]{address}" if address.startswith(":") else address
+
+
 def add_port(server: grpc.aio.Server, address: str, tls: TLSConfig | None) -> int:
-    """Bind ``address`` with mTLS when configured, plaintext otherwise; returns the port."""
+    """Bind ``address`` with mTLS when configured, plaintext otherwise; returns the port.
+
+    Raises OSError when the address cannot be bound (gRPC itself raises RuntimeError).
+    """
+    address = normalize_listen(address)
     port: int
-    if tls is None:
-        port = server.add_insecure_port(address)
-    else:
-        port = server.add_secure_port(address, tls.server_credentials())
+    try:
+        if tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, tls.server_credentials())
+    except RuntimeError as exc:
+        raise OSError(f"cannot bind gRPC address {address!r}: {exc}") from None
     if port == 0:
         raise OSError(f"cannot bind gRPC address {address!r}")
     return port
