@@ -30,7 +30,10 @@ def _pct(xs: list[float], p: float) -> float:
 
 def bench_placement() -> None:
     print("\n### placement (pure, bounded-load HRW, c = 1.25)")
-    print(f"{'clusters':>9} {'shards':>6} {'place all (s)':>13} {'max/mean':>8} {'+1 shard moved':>14} {'ideal 1/N+1':>11} {'plan (s)':>8}")
+    print(
+        f"{'clusters':>9} {'shards':>6} {'place all (s)':>13} {'max/mean':>8} {'+1 shard: moved':>15} "
+        f"{'(full HRW)':>10} {'ideal 1/N+1':>11} {'plan (s)':>8}"
+    )
     for k, n in ((10_000, 8), (10_000, 200), (100_000, 50)):
         shards = [f"shard-{i}" for i in range(n)]
         ld = dict.fromkeys(shards, 0)
@@ -44,12 +47,14 @@ def bench_placement() -> None:
             ld[s] += 1
         t_place = time.perf_counter() - t0
         grown = [*shards, f"shard-{n}"]
+        joined = {**dict.fromkeys(shards, 0), f"shard-{n}": 2}
         t0 = time.perf_counter()
-        plan = plan_rebalance(b, grown)
+        plan = plan_rebalance(b, grown, joined_at=joined, bound_at=dict.fromkeys(b, 1))
         t_plan = time.perf_counter() - t0
+        full = plan_rebalance(b, grown)
         print(
             f"{k:>9} {n:>6} {t_place:>13.2f} {max_over_mean(loads(b, shards)):>8.3f} "
-            f"{len(plan.moves) / k:>14.4f} {1 / (n + 1):>11.4f} {t_plan:>8.2f}"
+            f"{len(plan.moves) / k:>15.4f} {len(full.moves) / k:>10.4f} {1 / (n + 1):>11.4f} {t_plan:>8.2f}"
         )
 
 
