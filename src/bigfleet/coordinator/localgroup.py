@@ -22,6 +22,7 @@ class CoordGroup:
         self.grpc_ports = [free_port() for _ in range(n)]
         self.raft_ports = [free_port() for _ in range(n)]
         self.procs: list[ManagedProcess | None] = [None] * n
+        self._channels: dict[int, grpc.Channel] = {}
 
     def addr(self, i: int) -> str:
         return f"127.0.0.1:{self.grpc_ports[i]}"
@@ -66,6 +67,9 @@ class CoordGroup:
         self.procs[i] = None
 
     def stop_all(self) -> None:
+        for ch in self._channels.values():
+            ch.close()
+        self._channels.clear()
         for i, p in enumerate(self.procs):
             if p is not None:
                 p.stop(timeout=5)
@@ -93,8 +97,10 @@ class CoordGroup:
         return found - 1
 
     def call(self, i: int, method: str, req: object, timeout: float = 5.0) -> object:
-        with grpc.insecure_channel(self.addr(i)) as ch:
-            return getattr(pbg.CoordinatorStub(ch), method)(req, timeout=timeout)
+        ch = self._channels.get(i)
+        if ch is None:
+            ch = self._channels[i] = grpc.insecure_channel(self.addr(i))
+        return getattr(pbg.CoordinatorStub(ch), method)(req, timeout=timeout)
 
     def logs(self) -> str:
         return "\n".join(p.logs()[-3000:] for p in self.procs if p is not None)
