@@ -167,7 +167,7 @@ def test_counts_and_ids() -> None:
     assert pickle.loads(pickle.dumps(list(inv))) == list(inv)
 
 
-@settings(max_examples=60)
+@settings(deadline=None, max_examples=60)
 @given(
     st.lists(
         st.tuples(

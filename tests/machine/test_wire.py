@@ -194,6 +194,7 @@ def test_every_bucket_bound_round_trips_through_metadata() -> None:
         assert parse_go_float(format_go_float(d)) == d
 
 
+@settings(deadline=None)
 @given(st.floats(allow_nan=False))
 def test_go_float_round_trip(x: float) -> None:
     assert parse_go_float(format_go_float(x)) == x
@@ -243,7 +244,7 @@ def machines(draw: st.DrawFn) -> Machine:
     return valid_machine(draw(st.text(alphabet="abc-0123456789", min_size=1, max_size=20)), state, **over)
 
 
-@settings(max_examples=150)
+@settings(deadline=None, max_examples=100)
 @given(machines())
 def test_round_trip_property(m: Machine) -> None:
     pb = machine_to_proto(m)

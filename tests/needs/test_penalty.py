@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bigfleet.needs import (
@@ -101,6 +101,7 @@ def test_sort_key_total_order_pinned_last() -> None:
     assert dollars_sort_key(math.nan) == 0.0 and dollars_sort_key(math.inf) == math.inf
 
 
+@settings(deadline=None)
 @given(st.floats(min_value=0, allow_nan=False, allow_infinity=True))
 def test_round_up_property(x: float) -> None:
     b = bucket_from_dollars(x)
@@ -110,6 +111,7 @@ def test_round_up_property(x: float) -> None:
         assert bucket_dollars(b - 1) < x
 
 
+@settings(deadline=None)
 @given(st.floats(min_value=0, allow_nan=False), st.floats(min_value=0, allow_nan=False))
 def test_monotone(x: float, y: float) -> None:
     if x <= y:

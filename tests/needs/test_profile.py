@@ -164,6 +164,7 @@ def test_merge_needs() -> None:
     assert merged[0].arrival_unix_nanos == 4  # earliest non-zero
 
 
+@settings(deadline=None)
 @given(profiles)
 def test_fingerprint_is_a_function_of_the_canonical_content(p: Profile) -> None:
     shuffled = Profile(tuple(reversed(p.requirements)), tuple(reversed(p.spread)), p.priority,
@@ -171,12 +172,13 @@ def test_fingerprint_is_a_function_of_the_canonical_content(p: Profile) -> None:
     assert shuffled == p and shuffled.fingerprint() == p.fingerprint()
 
 
+@settings(deadline=None)
 @given(profiles, profiles)
 def test_equal_iff_same_fingerprint(a: Profile, b: Profile) -> None:
     assert (a == b) == (a.fingerprint() == b.fingerprint())
 
 
-@settings(max_examples=40)
+@settings(deadline=None, max_examples=40)
 @given(st.lists(profiles, min_size=2, max_size=6, unique=True))
 def test_distinct_profiles_distinct_fingerprints(ps: list[Profile]) -> None:
     assert len({p.fingerprint() for p in ps}) == len(ps)

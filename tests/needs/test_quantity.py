@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bigfleet.needs import MAX_MILLI, ValidationError, format_quantity, parse_quantity
@@ -106,11 +106,13 @@ def test_format(milli: int, text: str) -> None:
     assert format_quantity(milli) == text
 
 
+@settings(deadline=None)
 @given(st.integers(min_value=-MAX_MILLI, max_value=MAX_MILLI))
 def test_format_round_trips(milli: int) -> None:
     assert parse_quantity(format_quantity(milli)) == milli
 
 
+@settings(deadline=None)
 @given(
     st.integers(min_value=0, max_value=10**6),
     st.sampled_from(["", "m", "k", "M", "G", "Ki", "Mi", "Gi", "Ti"]),
@@ -125,6 +127,7 @@ def test_parse_integer_with_suffix_is_exact(n: int, suffix: str) -> None:
         assert parse_quantity(f"{n}{suffix}") == n * factor
 
 
+@settings(deadline=None)
 @given(st.decimals(min_value=0, max_value=10**9, places=6, allow_nan=False, allow_infinity=False))
 def test_decimal_rounds_up_to_milli(d: object) -> None:
     from decimal import ROUND_CEILING, Decimal
@@ -133,3 +136,36 @@ def test_decimal_rounds_up_to_milli(d: object) -> None:
     text = format(d, "f")
     expected = int((d * 1000).to_integral_value(rounding=ROUND_CEILING))
     assert parse_quantity(text) == expected
+
+
+@st.composite
+def k8s_quantities(draw: st.DrawFn) -> str:
+    """Strings in the Kubernetes quantity grammar (non-negative)."""
+    whole = draw(st.text(alphabet="0123456789", min_size=0, max_size=8))
+    frac = draw(st.none() | st.text(alphabet="0123456789", min_size=0, max_size=6))
+    if not whole and not frac:
+        whole = "0"
+    number = whole + ("" if frac is None else "." + frac)
+    suffix = draw(
+        st.sampled_from(["", "n", "u", "m", "k", "M", "G", "T", "Ki", "Mi", "Gi", "Ti"])
+        | st.integers(min_value=-12, max_value=9).map(lambda e: f"e{e}")
+    )
+    return number + suffix
+
+
+@settings(deadline=None)
+@given(k8s_quantities())
+def test_matches_the_kubernetes_client_parser(text: str) -> None:
+    """Differential check against the kubernetes Python client's Decimal parser (MilliValue = ceil)."""
+    import decimal
+
+    from kubernetes.utils import parse_quantity as k8s_parse
+
+    with decimal.localcontext() as ctx:
+        ctx.prec = 200
+        expected = int((k8s_parse(text) * 1000).to_integral_value(rounding=decimal.ROUND_CEILING))
+    if expected > MAX_MILLI:
+        with pytest.raises(ValidationError):
+            parse_quantity(text)
+    else:
+        assert parse_quantity(text) == expected

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bigfleet.needs import EMPTY, Resources, ValidationError
@@ -103,6 +103,7 @@ def test_immutable_hashable_picklable() -> None:
     assert repr(r) == "Resources(cpu=1)"
 
 
+@settings(deadline=None)
 @given(resources, resources)
 def test_add_sub_inverse(a: Resources, b: Resources) -> None:
     assert (a + b) - b == a
@@ -110,6 +111,7 @@ def test_add_sub_inverse(a: Resources, b: Resources) -> None:
     assert a.fits_in(a + b)
 
 
+@settings(deadline=None)
 @given(resources, resources)
 def test_saturating_sub_properties(a: Resources, b: Resources) -> None:
     d = a.saturating_sub(b)
@@ -118,6 +120,7 @@ def test_saturating_sub_properties(a: Resources, b: Resources) -> None:
     assert d.is_zero() == a.fits_in(b)
 
 
+@settings(deadline=None)
 @given(resources, resources, resources)
 def test_max_is_least_upper_bound(a: Resources, b: Resources, c: Resources) -> None:
     m = a.max(b)
@@ -126,6 +129,7 @@ def test_max_is_least_upper_bound(a: Resources, b: Resources, c: Resources) -> N
         assert m.fits_in(c)
 
 
+@settings(deadline=None)
 @given(resources, st.integers(min_value=0, max_value=50))
 def test_scale_is_repeated_addition(a: Resources, k: int) -> None:
     total = EMPTY
@@ -134,6 +138,7 @@ def test_scale_is_repeated_addition(a: Resources, k: int) -> None:
     assert a.scale(k) == total
 
 
+@settings(deadline=None)
 @given(resources)
 def test_wire_round_trip(a: Resources) -> None:
     assert Resources.parse(a.to_wire()) == a

@@ -125,12 +125,13 @@ def test_requirement_round_trip() -> None:
     assert requirement_from_proto(pb) == r
 
 
+@settings(deadline=None)
 @given(requirements())
 def test_requirement_round_trip_property(r: Requirement) -> None:
     assert requirement_from_proto(requirement_to_proto(r)) == r
 
 
-@settings(max_examples=80)
+@settings(deadline=None, max_examples=80)
 @given(needs_for("cluster-1"), st.integers(min_value=0, max_value=2**62))
 def test_need_round_trip_property(n: Need, now: int) -> None:
     pb = need_to_proto(n)
@@ -143,7 +144,7 @@ def test_need_round_trip_property(n: Need, now: int) -> None:
     assert need_to_proto(back) == pb  # canonical: the second encoding is byte-identical
 
 
-@settings(max_examples=30)
+@settings(deadline=None, max_examples=30)
 @given(st.lists(needs_for("c9"), max_size=5))
 def test_rollup_round_trip(needs: list[Need]) -> None:
     pb = rollup_to_proto("c9", needs, 77)
