@@ -268,3 +268,41 @@ def test_tls12_session_is_refused_by_the_policy(pki: Pki) -> None:
     assert _decide(_FakeContext({**base, "ssl_tls_version": [b"TLSv1.3"]}), READ, None) is None
     reason = _decide(_FakeContext({**base, "ssl_tls_version": [b"TLSv1.2"]}), READ, None)
     assert reason is not None and "TLSv1.2" in reason
+
+
+@pytest.mark.parametrize("secure", [False, True])
+async def test_malformed_frames_end_only_their_call_with_invalid_argument(pki: Pki, secure: bool) -> None:
+    tls = cfg(pki, "shard-0") if secure else None
+    srv, port, _ = await start(tls)
+    try:
+        async with dial(f"127.0.0.1:{port}", cfg(pki, "cluster-a") if secure else None) as ch:
+            good = sgrpc.ShardStub(ch).Session(timeout=10)
+            await good.write(spb.OperatorMessage(hello=spb.Hello(cluster_id="cluster-a")))
+            assert (await good.read()).ack.echo == "hello"
+
+            raw = ch.stream_stream(
+                "/bigfleet.v1alpha1.Shard/Session",
+                request_serializer=lambda b: b,
+                response_deserializer=spb.ShardMessage.FromString,
+            )(timeout=10)
+            await raw.write(spb.OperatorMessage(hello=spb.Hello(cluster_id="cluster-a")).SerializeToString())
+            assert (await raw.read()).ack.echo == "hello"
+            await raw.write(b"\x12\xff\xff")  # a length-delimited field whose length runs off the end
+            assert await raw.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "malformed" in (await raw.details() or "")
+
+            unary = ch.unary_unary(
+                "/bigfleet.v1alpha1.Coordinator/ListShards",
+                request_serializer=lambda b: b,
+                response_deserializer=cpb.ListShardsResponse.FromString,
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await unary(b"\xff", timeout=10)
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+            # The well-formed session on the same connection is untouched.
+            await good.write(spb.OperatorMessage(rollup=capb.ClusterCapacityNeeds(cluster_id="cluster-a")))
+            assert (await good.read()).ack.echo == "rollup"
+            await good.done_writing()
+    finally:
+        await srv.stop(None)

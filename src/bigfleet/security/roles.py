@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from prometheus_client import CollectorRegistry, Counter
 
 from bigfleet.observability import get_logger
@@ -176,6 +177,10 @@ def _decide(context: grpc.aio.ServicerContext, access: Access, request: Any | No
 class RoleInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Applies a method policy to every call before the handler runs.
 
+    Install it on plaintext servers too: identity checks pass there, but a request frame that
+    fails protobuf decoding still ends its call with INVALID_ARGUMENT instead of reaching the
+    handler as ``None``.
+
     Pass ``registry`` to count denials as ``bigfleet_<component>_permission_denied_total``.
     """
 
@@ -203,13 +208,73 @@ class RoleInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return _wrap(handler, method, lookup(self._policy, method, self._unlisted), self._denials)
 
 
+MALFORMED = "malformed request frame (protobuf decoding failed)"
+_BAD_FRAME = object()  # what the guarded deserializer returns instead of raising
+
+
+def _guarded(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """Decode failures become a marker the wrapped behaviour answers with INVALID_ARGUMENT;
+    left alone, gRPC answers UNKNOWN for a unary call and breaks a stream's reader."""
+    if deserializer is None:
+        return None
+    des = deserializer
+
+    def decode(raw: bytes) -> Any:
+        try:
+            return des(raw)
+        except Exception:
+            return _BAD_FRAME
+
+    return decode
+
+
+def _bad(msg: Any) -> bool:
+    return msg is None or msg is _BAD_FRAME
+
+
+class _StrictContext:
+    """Delegates to the real servicer context, but a frame gRPC could not deserialize ends the
+    call with INVALID_ARGUMENT. (grpc.aio raises DecodeError out of ``read()`` — or hands the
+    handler ``None`` — which handlers tend to mistake for end-of-stream or crash on.)"""
+
+    def __init__(self, inner: grpc.aio.ServicerContext) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def read(self) -> Any:
+        try:
+            msg = await self._inner.read()
+        except DecodeError:
+            msg = None
+        if _bad(msg):
+            await self._inner.abort(grpc.StatusCode.INVALID_ARGUMENT, MALFORMED)
+        return msg
+
+
+async def _strict_iter(it: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    while True:
+        try:
+            msg = await it.__anext__()
+        except StopAsyncIteration:
+            return
+        except DecodeError:
+            msg = None
+        if _bad(msg):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, MALFORMED)
+        yield msg
+
+
 def _wrap(handler: grpc.RpcMethodHandler, method: str, access: Access, denials: _Denials) -> grpc.RpcMethodHandler:
-    des, ser = handler.request_deserializer, handler.response_serializer
+    des, ser = _guarded(handler.request_deserializer), handler.response_serializer
 
     if handler.unary_unary is not None:
         inner_uu = handler.unary_unary
 
         async def uu(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if _bad(request):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, MALFORMED)
             reason = _decide(context, access, request)
             if reason is not None:
                 await _deny(context, method, reason, denials)
@@ -222,6 +287,8 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, access: Access, denials: 
         if inspect.isasyncgenfunction(inner_us):
 
             async def us_gen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                if _bad(request):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, MALFORMED)
                 reason = _decide(context, access, request)
                 if reason is not None:
                     await _deny(context, method, reason, denials)
@@ -231,6 +298,8 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, access: Access, denials: 
             return grpc.unary_stream_rpc_method_handler(us_gen, request_deserializer=des, response_serializer=ser)
 
         async def us(request: Any, context: grpc.aio.ServicerContext) -> None:
+            if _bad(request):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, MALFORMED)
             reason = _decide(context, access, request)
             if reason is not None:
                 await _deny(context, method, reason, denials)
@@ -245,7 +314,7 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, access: Access, denials: 
             reason = _decide(context, access, None)
             if reason is not None:
                 await _deny(context, method, reason, denials)
-            return await inner_su(request_iterator, context)
+            return await inner_su(_strict_iter(request_iterator, context), _StrictContext(context))
 
         return grpc.stream_unary_rpc_method_handler(su, request_deserializer=des, response_serializer=ser)
 
@@ -256,7 +325,7 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, access: Access, denials: 
             reason = _decide(context, access, None)
             if reason is not None:
                 await _deny(context, method, reason, denials)
-            async for item in inner_ss(request_iterator, context):
+            async for item in inner_ss(_strict_iter(request_iterator, context), _StrictContext(context)):
                 yield item
 
         return grpc.stream_stream_rpc_method_handler(ss_gen, request_deserializer=des, response_serializer=ser)
@@ -265,7 +334,7 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, access: Access, denials: 
         reason = _decide(context, access, None)
         if reason is not None:
             await _deny(context, method, reason, denials)
-        await inner_ss(request_iterator, context)
+        await inner_ss(_strict_iter(request_iterator, context), _StrictContext(context))
 
     return grpc.stream_stream_rpc_method_handler(ss, request_deserializer=des, response_serializer=ser)
 
