@@ -9,11 +9,12 @@ A record is then ten pointers, which is what lets a shard hold 500 000 of them.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from bigfleet.machine.labels import DEFAULT_INTERNER, EMPTY_LABELS, Interner, Labels
 from bigfleet.machine.state import CapacityType, MachineState
+from bigfleet.needs.requirements import Requirement
 from bigfleet.needs.resources import EMPTY, Resources
 
 _setattr = object.__setattr__
@@ -438,7 +439,7 @@ class Machine:
             return s.price_per_hour
         return s.price_per_hour + p * interruption_penalty_dollars
 
-    def matches(self, requirements: Any) -> bool:
+    def matches(self, requirements: Iterable[Requirement]) -> bool:
         """Whether every requirement in `requirements` passes against `match_labels`."""
         ml = self.shape.match_labels
         return all(r.matches(ml) for r in requirements)
