@@ -114,3 +114,23 @@ def test_acknowledged_crs_are_not_acked_again_and_deleting_ones_are_withdrawn() 
 def test_empty_demand_is_an_empty_rollup() -> None:
     out = build_rollup("c1", [], 7)
     assert out.message.cluster_id == "c1" and not out.message.needs
+
+
+def test_memo_reuses_unchanged_crs_and_remaps_changed_ones() -> None:
+    from bigfleet.operator.rollup import MapCache
+
+    a = cr("a", {"cpu": "1"})
+    b = cr("b", {"cpu": "2"})
+    a["metadata"]["resourceVersion"], b["metadata"]["resourceVersion"] = "1", "1"
+    cache = MapCache()
+    first = build_rollup("c1", [a, b], 1, cache)
+    assert cache.hits == 0 and len(cache.entries) == 2
+    b2 = cr("b", {"cpu": "5"})
+    b2["metadata"]["resourceVersion"] = "2"
+    second = build_rollup("c1", [a, b2], 1, cache)
+    assert cache.hits == 1
+    assert dict(second.message.needs[0].aggregate_resources) == {"cpu": "6"}
+    assert second.message == build_rollup("c1", [a, b2], 1).message  # memo never changes the answer
+    assert dict(first.message.needs[0].aggregate_resources) == {"cpu": "3"}
+    build_rollup("c1", [a], 1, cache)
+    assert set(cache.entries) == {("default", "a")}  # entries of vanished CRs are dropped

@@ -26,7 +26,7 @@ from bigfleet.operator.handlers import ClusterWriter
 from bigfleet.operator.kube import Informer, status_code
 from bigfleet.operator.leader import LeaseElector
 from bigfleet.operator.metrics import OperatorMetrics
-from bigfleet.operator.rollup import build_rollup, demand_fingerprint
+from bigfleet.operator.rollup import MapCache, build_rollup, demand_fingerprint
 from bigfleet.operator.session import Backoff, Resolver, SessionClient, StaticResolver
 from bigfleet.security.tls import TLSConfig, dial
 from bigfleet.v1alpha1 import capacity_pb2, coordinator_pb2, coordinator_pb2_grpc, shard_pb2
@@ -178,6 +178,7 @@ class Operator:
                                      request_rollup=self.rollup_now, rollup_interval=cfg.rollup_interval,
                                      backoff=backoff, tls=cfg.tls)
         self.last_rollup: capacity_pb2.ClusterCapacityNeeds | None = None
+        self.map_cache = MapCache()
         self._last_fp: bytes | None = None
         self.elector: LeaseElector | None = None
         if cfg.leader_elect:
@@ -194,7 +195,7 @@ class Operator:
         t0 = time.perf_counter()
         items = self.crs.items()
         t1 = time.perf_counter()
-        r = build_rollup(self.cfg.cluster_id, items, time.time_ns())
+        r = build_rollup(self.cfg.cluster_id, items, time.time_ns(), self.map_cache)
         t2 = time.perf_counter()
         self.session.offer_rollup(r.message)
         t3 = time.perf_counter()
@@ -221,7 +222,7 @@ class Operator:
             self._rollup_due.clear()
             if not self.session.connected.is_set() or not self.crs.synced.is_set():
                 continue
-            r = build_rollup(self.cfg.cluster_id, self.crs.items(), time.time_ns())
+            r = build_rollup(self.cfg.cluster_id, self.crs.items(), time.time_ns(), self.map_cache)
             pending_ack = bool(r.to_acknowledge)
             if demand_fingerprint(r.message) != self._last_fp or pending_ack:
                 try:

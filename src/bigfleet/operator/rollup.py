@@ -148,33 +148,66 @@ def _need_proto(key: AggKey, agg: _Agg) -> capacity_pb2.CapacityNeed:
     return need
 
 
-def build_rollup(cluster_id: str, crs: Iterable[Mapping[str, Any]], now_unix_nanos: int) -> Rollup:
+# What one CR maps to: its key and request, or why it was skipped.
+Mapped = tuple[AggKey, dict[str, int]] | str
+
+
+def _map_obj(obj: Mapping[str, Any]) -> Mapped:
+    try:
+        return map_cr(CapacityRequest.from_obj(dict(obj)))
+    except ValidationError as exc:
+        return str(exc)
+    except PydanticValidationError as exc:
+        return f"invalid CapacityRequest: {exc.errors()[0].get('msg', exc)}"
+
+
+class MapCache:
+    """Memo of CR → mapping keyed by resourceVersion, so a roll-up re-parses only CRs that changed.
+
+    Pure bookkeeping: entries for CRs absent from a roll-up are dropped by that roll-up.
+    """
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[str, str], tuple[str, Mapped]] = {}
+        self.hits = 0
+
+
+def build_rollup(
+    cluster_id: str, crs: Iterable[Mapping[str, Any]], now_unix_nanos: int, cache: MapCache | None = None
+) -> Rollup:
     """Fold CR objects into the cluster's full demand. Invalid CRs are skipped, never fatal."""
     aggs: dict[AggKey, _Agg] = {}
     ack: list[tuple[str, str]] = []
     skipped: list[Skipped] = []
     included = 0
+    fresh: dict[tuple[str, str], tuple[str, Mapped]] = {}
     for obj in crs:
         meta = obj.get("metadata") or {}
         ns, name = str(meta.get("namespace", "")), str(meta.get("name", ""))
         if meta.get("deletionTimestamp"):
             continue  # being deleted: already withdrawn
-        try:
-            cr = CapacityRequest.from_obj(dict(obj))
-            key, request = map_cr(cr)
-        except ValidationError as exc:
-            skipped.append(Skipped(ns, name, str(exc)))
+        rv = str(meta.get("resourceVersion") or "")
+        hit = cache.entries.get((ns, name)) if cache is not None and rv else None
+        if hit is not None and hit[0] == rv:
+            mapped = hit[1]
+            cache.hits += 1  # type: ignore[union-attr]
+        else:
+            mapped = _map_obj(obj)
+        if cache is not None and rv:
+            fresh[(ns, name)] = (rv, mapped)
+        if isinstance(mapped, str):
+            skipped.append(Skipped(ns, name, mapped))
             continue
-        except PydanticValidationError as exc:
-            skipped.append(Skipped(ns, name, f"invalid CapacityRequest: {exc.errors()[0].get('msg', exc)}"))
-            continue
+        key, request = mapped
         agg = aggs.setdefault(key, _Agg())
         for res, milli in request.items():
             agg.total[res] = agg.total.get(res, 0) + milli
             agg.unit[res] = max(agg.unit.get(res, 0), milli)
         included += 1
-        if cr.status.phase in ("", "Pending"):
+        if ((obj.get("status") or {}).get("phase") or "") in ("", "Pending"):
             ack.append((ns, name))
+    if cache is not None:
+        cache.entries = fresh
     msg = capacity_pb2.ClusterCapacityNeeds(cluster_id=cluster_id, timestamp_unix_nanos=now_unix_nanos)
     for key in sorted(aggs, key=lambda k: (-k.priority, repr(k))):
         msg.needs.append(_need_proto(key, aggs[key]))
