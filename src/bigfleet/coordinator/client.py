@@ -35,6 +35,7 @@ from bigfleet.v1alpha1 import coordinator_pb2 as pb
 from bigfleet.v1alpha1 import coordinator_pb2_grpc as pbg
 
 LEADER_METADATA_KEY = "bigfleet-leader"
+RETRY_LATER_KEY = "bigfleet-retry-later"
 ACCEPTED = pb.InstructAck.OUTCOME_ACCEPTED
 REJECTED_STALE = pb.InstructAck.OUTCOME_REJECTED_STALE
 REJECTED_INVALID = pb.InstructAck.OUTCOME_REJECTED_INVALID
@@ -117,7 +118,8 @@ class CoordinatorClient:
                     if hint and hint not in tried:
                         order.insert(0, hint)
                     continue
-                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and "handed off" not in (err.details() or ""):
+                retry_later = any(k == RETRY_LATER_KEY for k, _ in (err.trailing_metadata() or ()))
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and not retry_later:
                     errors.append(f"{addr}: {code.name.lower()}")
                     if self._leader == addr:
                         self._leader = None

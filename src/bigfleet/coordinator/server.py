@@ -49,6 +49,9 @@ from bigfleet.v1alpha1 import coordinator_pb2_grpc as pbg
 
 SERVICE_NAME = "bigfleet.v1alpha1.Coordinator"
 LEADER_METADATA_KEY = "bigfleet-leader"
+# Set on UNAVAILABLE answers that come from the coordinator's logic (retry later,
+# same replica) rather than from a dead or unreachable replica.
+RETRY_LATER_KEY = "bigfleet-retry-later"
 NOT_LEADER_MESSAGE = "coordinator: not leader"
 
 _CODES = {
@@ -467,24 +470,23 @@ class CoordinatorService(pbg.CoordinatorServicer):
         d = self.d
         now = _now()
         entry = d.r().read(lambda st: st.shards.get(sid))
+        prev = d.reports.get(sid)
+        # Reports can arrive out of order (retries); an older cycle of the same epoch updates nothing.
+        in_order = prev is None or request.shard_epoch != prev.epoch or request.cycle >= prev.cycle
+        provider = request.summary.provider_address if in_order and request.HasField("summary") else None
         hb_every = int(d.cfg.down_after * 1e9 / 4)
         if (
             entry is None
             or now - d._hb_written.get(sid, 0) > hb_every
             or (request.shard_address and entry.address != request.shard_address)
-            or entry.provider_address != request.summary.provider_address
+            or (provider is not None and entry.provider_address != provider)
         ):
-            cmd = {
-                "op": "heartbeat",
-                "shard_id": sid,
-                "now": now,
-                "address": request.shard_address,
-                "provider_address": request.summary.provider_address,
-            }
+            cmd: dict[str, Any] = {"op": "heartbeat", "shard_id": sid, "now": now, "address": request.shard_address}
+            if provider is not None:
+                cmd["provider_address"] = provider
             await d.write(cmd, context)
             d._hb_written[sid] = now
-        prev = d.reports.get(sid)
-        if prev is None or request.shard_epoch != prev.epoch or request.cycle >= prev.cycle:
+        if in_order:
             d.reports[sid] = SoftReport(sid, request.cycle, request.shard_epoch, now, request.summary, list(request.shortfalls)[:100])
         if request.instruction_acks:
             acks = [
@@ -585,6 +587,7 @@ class CoordinatorService(pbg.CoordinatorServicer):
             live, loads = d.r().read(lambda st: (st.live_shards(now, down_ns), dict(st.load)))
             target = place(cid, live, loads, d.cfg.load_factor)
             if target is None:
+                context.set_trailing_metadata(((RETRY_LATER_KEY, "no-live-shard"),))
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "no live shard to place the cluster on")
             res = await d.write({"op": "bind_cluster", "cluster_id": cid, "shard_id": target, "now": now}, context)
         shard = res["shard_id"]
@@ -608,6 +611,7 @@ class CoordinatorService(pbg.CoordinatorServicer):
             return None
         shard, addr, epoch, moving = got
         if moving:
+            context.set_trailing_metadata(((RETRY_LATER_KEY, "handoff"),))
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"cluster {cid} is being handed off; retry shortly")
         return pb.LookupClusterResponse(cluster_id=cid, shard_id=shard, shard_address=addr, binding_epoch=epoch)
 

@@ -1,0 +1,97 @@
+"""The gRPC surface of a single in-process replica: validation codes, soft state, instructions."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from bigfleet.coordinator.client import CoordinatorClient
+from bigfleet.coordinator.server import CoordinatorConfig, CoordinatorDaemon
+from bigfleet.testing import free_port
+from bigfleet.v1alpha1 import coordinator_pb2 as pb
+from bigfleet.v1alpha1 import provider_pb2
+
+
+@pytest.fixture
+async def coord(tmp_path: Path) -> AsyncIterator[tuple[CoordinatorDaemon, CoordinatorClient]]:
+    cfg = CoordinatorConfig(
+        node_id="solo",
+        listen=f"127.0.0.1:{free_port()}",
+        raft_bind=f"127.0.0.1:{free_port()}",
+        data_dir=tmp_path / "d",
+        password="pw",
+        rebalance_interval=0,
+    )
+    d = CoordinatorDaemon(cfg)
+    await d.start()
+    client = CoordinatorClient([d.grpc_address], timeout=5.0)
+    deadline = time.monotonic() + 20
+    while not d.ready():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    try:
+        yield d, client
+    finally:
+        await client.close()
+        await d.stop()
+
+
+async def code_of(client: CoordinatorClient, method: str, req: object) -> grpc.StatusCode:
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await client.call(method, req)
+    return ei.value.code()
+
+
+async def test_validation_codes(coord: tuple[CoordinatorDaemon, CoordinatorClient]) -> None:
+    _, c = coord
+    inv = grpc.StatusCode.INVALID_ARGUMENT
+    assert await code_of(c, "ReportShard", pb.ShardReport()) == inv
+    assert await code_of(c, "LookupCluster", pb.LookupClusterRequest()) == inv
+    assert await code_of(c, "AssignDomain", pb.AssignDomainRequest(topology_key="k")) == inv
+    assert await code_of(c, "UnassignDomain", pb.UnassignDomainRequest(topology_value="v")) == inv
+    assert await code_of(c, "RemoveShard", pb.RemoveShardRequest()) == inv
+    assert await code_of(c, "JoinRaftCluster", pb.JoinRaftClusterRequest(node_id="x")) == inv
+    assert await code_of(c, "PlanRebalance", pb.PlanRebalanceRequest(load_factor=0.5)) == inv
+    assert await code_of(c, "ApplyRebalance", pb.ApplyRebalanceRequest(max_moves=-1)) == inv
+    assert await code_of(c, "LookupCluster", pb.LookupClusterRequest(cluster_id="c")) == grpc.StatusCode.UNAVAILABLE
+    assert await code_of(c, "RemoveShard", pb.RemoveShardRequest(shard_id="nope")) == grpc.StatusCode.NOT_FOUND
+    # Unassigning an absent domain succeeds (idempotent).
+    await c.call("UnassignDomain", pb.UnassignDomainRequest(topology_key="k", topology_value="v"))
+
+
+async def test_reports_soft_state_and_instruction_cycle(coord: tuple[CoordinatorDaemon, CoordinatorClient]) -> None:
+    d, c = coord
+    summary = pb.ShardSummary(total_machines=10, free_machines=3, provider_address="prov:1", per_zone_counts={"z1": 10})
+    sf = pb.Shortfall(priority=7, age_cycles=2, deficit=provider_pb2.Resources(resources={"cpu": "4"}))
+    ack = await c.call("ReportShard", pb.ShardReport(shard_id="s1", cycle=5, shard_epoch=1, summary=summary, shortfalls=[sf], shard_address="s1:7780"))
+    assert ack.acknowledged and ack.coordinator_term >= 1 and list(ack.instructions) == []
+    # An out-of-order report (lower cycle, same epoch) does not overwrite the soft state.
+    await c.call("ReportShard", pb.ShardReport(shard_id="s1", cycle=3, shard_epoch=1, summary=pb.ShardSummary(total_machines=99)))
+    reps = (await c.call("ListShardReports", pb.ListShardReportsRequest(shard_id="s1"))).reports
+    assert [(r.cycle, r.summary.total_machines) for r in reps] == [(5, 10)]
+    assert reps[0].shortfalls[0].priority == 7
+    assert (await c.call("ListShardReports", pb.ListShardReportsRequest(shard_id="other"))).reports == []
+    # A restarted shard (new epoch) may start its cycle count over.
+    await c.call("ReportShard", pb.ShardReport(shard_id="s1", cycle=1, shard_epoch=2, summary=summary))
+    reps = (await c.call("ListShardReports", pb.ListShardReportsRequest())).reports
+    assert reps[0].cycle == 1
+    # Instructions: queued by AssignDomain, redelivered until acked, cleared by the ack.
+    await c.call("AssignDomain", pb.AssignDomainRequest(topology_key="rack", topology_value="r1", shard_id="s1"))
+    a1 = await c.call("ReportShard", pb.ShardReport(shard_id="s1", cycle=2, shard_epoch=2))
+    a2 = await c.call("ReportShard", pb.ShardReport(shard_id="s1", cycle=3, shard_epoch=2))
+    assert len(a1.instructions) == 1 and a1.instructions[0].instruction_id == a2.instructions[0].instruction_id
+    ins = a1.instructions[0]
+    assert ins.coordinator_term == a1.coordinator_term and ins.sequence_number >= 1 and len(ins.instruction_id) == 16
+    done = pb.InstructAck(instruction_id=ins.instruction_id, outcome=pb.InstructAck.OUTCOME_ACCEPTED)
+    a3 = await c.call("ReportShard", pb.ShardReport(shard_id="s1", cycle=4, shard_epoch=2, instruction_acks=[done]))
+    assert list(a3.instructions) == []
+    # The provider address rides on the summary and is kept with the shard.
+    assert d.r().read(lambda st: st.shards["s1"].provider_address) == "prov:1"
+    # SnapshotSave streams meta first, then data.
+    frames = [f async for f in await c.stream("SnapshotSave", pb.SnapshotSaveRequest())]
+    assert frames[0].WhichOneof("payload") == "meta_json" and all(f.WhichOneof("payload") == "data" for f in frames[1:])
