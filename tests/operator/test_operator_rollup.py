@@ -134,3 +134,16 @@ def test_memo_reuses_unchanged_crs_and_remaps_changed_ones() -> None:
     assert dict(first.message.needs[0].aggregate_resources) == {"cpu": "3"}
     build_rollup("c1", [a], 1, cache)
     assert set(cache.entries) == {("default", "a")}  # entries of vanished CRs are dropped
+
+
+def test_token_bucket_allows_burst_then_paces() -> None:
+    from bigfleet.operator.kube import TokenBucket
+
+    b = TokenBucket(rate=10, burst=3, now=0.0)
+    assert [b.take(0.0) for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert abs(b.take(0.0) - 0.1) < 1e-9  # fourth request waits one token interval
+    assert abs(b.take(0.0) - 0.2) < 1e-9
+    b2 = TokenBucket(rate=10, burst=3, now=0.0)
+    for _ in range(3):
+        b2.take(0.0)
+    assert b2.take(10.0) == 0.0  # refilled (capped at burst) after idling

@@ -39,9 +39,43 @@ async def api_client(kubeconfig: str | None = None, qps: float = 50.0, burst: in
         cfg = client.Configuration()
         config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
         api = client.ApiClient(configuration=cfg)
-    # The client has no rate limiter; bound parallel connections by the burst instead.
     api.configuration.connection_pool_maxsize = max(1, int(burst))
+    rate_limit(api, qps, burst)
     return api
+
+
+class TokenBucket:
+    """``rate`` tokens per second, at most ``burst`` saved. Pure: time is passed in."""
+
+    def __init__(self, rate: float, burst: int, now: float) -> None:
+        self.rate = max(rate, 1e-9)
+        self.burst = max(1, int(burst))
+        self.tokens = float(self.burst)
+        self.last = now
+
+    def take(self, now: float) -> float:
+        """Take one token; returns how long to wait before using it (0 = now)."""
+        self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        self.tokens -= 1.0
+        return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
+
+
+def rate_limit(api: client.ApiClient, qps: float, burst: int) -> None:
+    """Client-side request rate limit (client-go's --qps/--burst); the Python client has none."""
+    if qps <= 0:
+        return
+    loop_time = asyncio.get_running_loop().time
+    bucket = TokenBucket(qps, burst, loop_time())
+    inner = api.call_api
+
+    async def call_api(*args: Any, **kwargs: Any) -> Any:
+        wait = bucket.take(loop_time())
+        if wait > 0:
+            await asyncio.sleep(wait)
+        return await inner(*args, **kwargs)
+
+    api.call_api = call_api  # type: ignore[method-assign]
 
 
 def status_code(exc: BaseException) -> int | None:
