@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from bigfleet.v1alpha1 import capacity_pb2, shard_pb2
 
@@ -232,3 +233,30 @@ class SessionThrottle:
 
     def rollup_delay(self, now: float) -> float:
         return self.rollups.wait_time(now)
+
+
+def _always(_msg: Any) -> bool:
+    return True
+
+
+def is_rollup_frame(msg: Any) -> bool:
+    """Soft-limited frames of ``Shard.Session``: roll-ups (full replacement, safe to delay)."""
+    which = getattr(msg, "WhichOneof", None)
+    return bool(which is not None and which("payload") == "rollup")
+
+
+@dataclass(frozen=True)
+class StreamLimit:
+    """Rate limits for one streaming method, applied per call by the RoleInterceptor.
+
+    Frames for which ``soft(msg)`` is true are *paced*: the next read waits for a token, so
+    the sender's own flow control (and its one-slot roll-up queue) absorbs the excess and
+    only that stream slows down. Every frame counts against the hard bucket; over it the call
+    ends with RESOURCE_EXHAUSTED.
+    """
+
+    config: ThrottleConfig = field(default_factory=ThrottleConfig)
+    soft: Callable[[Any], bool] = _always
+
+
+SESSION_STREAM_LIMIT = StreamLimit(ThrottleConfig(), is_rollup_frame)

@@ -9,6 +9,7 @@ every check passes (protocols.md §5.3, §8).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from bigfleet.observability import get_logger
 from bigfleet.security.identity import Identity, IdentityError, Role, identity_from_auth_context
+from bigfleet.security.limits import SessionThrottle, StreamLimit, Verdict
 
 log = get_logger("bigfleet.security.roles")
 
@@ -148,9 +150,22 @@ class _Denials:
                 registry=registry,
             )
 
+        self.throttled: Counter | None = None
+        if registry is not None:
+            self.throttled = Counter(
+                f"bigfleet_{component}_stream_throttled_total",
+                "Stream frames paced (defer) or streams ended (close) by the per-call rate limits",
+                ["method", "action"],
+                registry=registry,
+            )
+
     def inc(self, method: str) -> None:
         if self.counter is not None:
             self.counter.labels(method=method).inc()
+
+    def throttle(self, method: str, action: str) -> None:
+        if self.throttled is not None:
+            self.throttled.labels(method=method, action=action).inc()
 
 
 async def _deny(context: grpc.aio.ServicerContext, method: str, reason: str, denials: _Denials) -> None:
@@ -181,7 +196,12 @@ class RoleInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     fails protobuf decoding still ends its call with INVALID_ARGUMENT instead of reaching the
     handler as ``None``.
 
-    Pass ``registry`` to count denials as ``bigfleet_<component>_permission_denied_total``.
+    ``stream_limits`` (method → :class:`~bigfleet.security.limits.StreamLimit`) rate-limits
+    each call of those streaming methods on its own (one throttle per stream, so one flooding
+    session never slows another).
+
+    Pass ``registry`` to count denials as ``bigfleet_<component>_permission_denied_total`` and
+    throttling as ``bigfleet_<component>_stream_throttled_total``.
     """
 
     def __init__(
@@ -191,10 +211,12 @@ class RoleInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         unlisted: Access = ADMIN_ONLY,
         registry: CollectorRegistry | None = None,
         component: str = "security",
+        stream_limits: Mapping[str, StreamLimit] | None = None,
     ) -> None:
         self._policy = dict(policy)
         self._unlisted = unlisted
         self._denials = _Denials(registry, component)
+        self._limits = dict(stream_limits or {})
 
     async def intercept_service(
         self,
@@ -205,7 +227,9 @@ class RoleInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if handler is None:
             return handler
         method = handler_call_details.method
-        return _wrap(handler, method, lookup(self._policy, method, self._unlisted), self._denials)
+        return _wrap(
+            handler, method, lookup(self._policy, method, self._unlisted), self._denials, self._limits.get(method)
+        )
 
 
 MALFORMED = "malformed request frame (protobuf decoding failed)"
@@ -232,13 +256,38 @@ def _bad(msg: Any) -> bool:
     return msg is None or msg is _BAD_FRAME
 
 
+class _StreamGuard:
+    """One per streaming call: the hard frame bucket and the pacing of soft frames."""
+
+    def __init__(self, limit: StreamLimit, method: str, counters: _Denials) -> None:
+        self.limit = limit
+        self.throttle = SessionThrottle(limit.config)
+        self.method = method
+        self.counters = counters
+
+    async def admit(self, msg: Any, context: grpc.aio.ServicerContext) -> None:
+        loop = asyncio.get_running_loop()
+        if self.throttle.on_frame(loop.time()) is Verdict.CLOSE:
+            self.counters.throttle(self.method, "close")
+            log.warning("stream_closed_over_frame_rate", method=self.method, peer=context.peer())
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "frame rate over the per-session limit; reconnect and slow down"
+            )
+        if not self.limit.soft(msg) or self.throttle.on_rollup(loop.time()) is Verdict.ACCEPT:
+            return
+        self.counters.throttle(self.method, "defer")
+        while not self.throttle.rollups.try_take(loop.time()):
+            await asyncio.sleep(self.throttle.rollups.wait_time(loop.time()))
+
+
 class _StrictContext:
     """Delegates to the real servicer context, but a frame gRPC could not deserialize ends the
     call with INVALID_ARGUMENT. (grpc.aio raises DecodeError out of ``read()`` — or hands the
     handler ``None`` — which handlers tend to mistake for end-of-stream or crash on.)"""
 
-    def __init__(self, inner: grpc.aio.ServicerContext) -> None:
+    def __init__(self, inner: grpc.aio.ServicerContext, guard: _StreamGuard | None = None) -> None:
         self._inner = inner
+        self._guard = guard
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -250,10 +299,14 @@ class _StrictContext:
             msg = None
         if _bad(msg):
             await self._inner.abort(grpc.StatusCode.INVALID_ARGUMENT, MALFORMED)
+        if self._guard is not None and msg is not grpc.aio.EOF:
+            await self._guard.admit(msg, self._inner)
         return msg
 
 
-async def _strict_iter(it: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+async def _strict_iter(
+    it: AsyncIterator[Any], context: grpc.aio.ServicerContext, guard: _StreamGuard | None = None
+) -> AsyncIterator[Any]:
     while True:
         try:
             msg = await it.__anext__()
@@ -263,10 +316,14 @@ async def _strict_iter(it: AsyncIterator[Any], context: grpc.aio.ServicerContext
             msg = None
         if _bad(msg):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, MALFORMED)
+        if guard is not None:
+            await guard.admit(msg, context)
         yield msg
 
 
-def _wrap(handler: grpc.RpcMethodHandler, method: str, access: Access, denials: _Denials) -> grpc.RpcMethodHandler:
+def _wrap(
+    handler: grpc.RpcMethodHandler, method: str, access: Access, denials: _Denials, limit: StreamLimit | None = None
+) -> grpc.RpcMethodHandler:
     des, ser = _guarded(handler.request_deserializer), handler.response_serializer
 
     if handler.unary_unary is not None:
@@ -314,7 +371,8 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, access: Access, denials: 
             reason = _decide(context, access, None)
             if reason is not None:
                 await _deny(context, method, reason, denials)
-            return await inner_su(_strict_iter(request_iterator, context), _StrictContext(context))
+            guard = _StreamGuard(limit, method, denials) if limit is not None else None
+            return await inner_su(_strict_iter(request_iterator, context, guard), _StrictContext(context, guard))
 
         return grpc.stream_unary_rpc_method_handler(su, request_deserializer=des, response_serializer=ser)
 
@@ -325,7 +383,8 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, access: Access, denials: 
             reason = _decide(context, access, None)
             if reason is not None:
                 await _deny(context, method, reason, denials)
-            async for item in inner_ss(_strict_iter(request_iterator, context), _StrictContext(context)):
+            guard = _StreamGuard(limit, method, denials) if limit is not None else None
+            async for item in inner_ss(_strict_iter(request_iterator, context, guard), _StrictContext(context, guard)):
                 yield item
 
         return grpc.stream_stream_rpc_method_handler(ss_gen, request_deserializer=des, response_serializer=ser)
@@ -334,7 +393,8 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, access: Access, denials: 
         reason = _decide(context, access, None)
         if reason is not None:
             await _deny(context, method, reason, denials)
-        await inner_ss(_strict_iter(request_iterator, context), _StrictContext(context))
+        guard = _StreamGuard(limit, method, denials) if limit is not None else None
+        await inner_ss(_strict_iter(request_iterator, context, guard), _StrictContext(context, guard))
 
     return grpc.stream_stream_rpc_method_handler(ss, request_deserializer=des, response_serializer=ser)
 
