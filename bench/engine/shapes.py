@@ -170,7 +170,7 @@ def configured_fleet(machines: int, clusters: int, prio: int, rpd_mod: int = 7) 
     out = []
     for i in range(machines):
         a = TYPES5[i % 5]
-        out.append(mk(f"m{i:07d}", S.CONFIGURED, a, f"r{i % 64:02d}", f"c{i % clusters:03d}", prio=prio,
+        out.append(mk(f"m{i:07d}", S.CONFIGURED, a, f"r{i % 64:02d}", f"c{(i // 5) % clusters:03d}", prio=prio,
                       ipd=float(1 << (i % 12)), rpd=float(i % rpd_mod)))
     return out
 

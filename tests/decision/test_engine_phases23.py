@@ -266,7 +266,7 @@ def _conf(n: int, cluster: str = "c", **kw: object) -> list:
 def test_59_no_demand_reclaims_everything_capped() -> None:
     d = run([], _conf(4), ready=["c"], config=EngineConfig(reclaim_cap_fraction=0))
     assert [(a.machine_id, a.reason, a.grace_period_seconds, a.preemptor_priority) for a in drains(d)] == \
-        [(f"c{i:02d}", "reclaim", 600, 0) for i in range(4)]
+        [(f"c{i:02d}", "reclaim", 600, 0) for i in (3, 2, 1, 0)]  # equal value to lose: id desc
 
 
 def test_60_exact_demand_no_actions() -> None:

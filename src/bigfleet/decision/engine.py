@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from itertools import compress
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from itertools import compress, islice, repeat
+from operator import attrgetter
 from typing import Any
 
 from bigfleet.machine.record import Machine
-from bigfleet.machine.state import CapacityType
-from bigfleet.needs import Need, NeedsTable, Operator, Profile, Requirement, Resources, TopologySpread
-from bigfleet.needs.penalty import bucket_dollars, penalty_sort_key
+from bigfleet.machine.state import CapacityType, MachineState
+from bigfleet.needs import EMPTY, Need, NeedsTable, Operator, Profile, Requirement, Resources, TopologySpread
+from bigfleet.needs.penalty import bucket_dollars
 
 from .index import (
     CONFIGURED,
@@ -53,6 +54,8 @@ from .types import (
 )
 
 Vec = tuple[int, ...]
+_ID = attrgetter("id")
+_CONFIGURED_STATE = MachineState.CONFIGURED
 
 
 def _sub(a: Vec, b: Vec) -> Vec:
@@ -118,12 +121,19 @@ class _N:
         self.ib = int(p.interruption_bucket)
         self.rb = int(p.reclamation_bucket)
         self.group = p.group
-        self.same: Requirement | None = p.same
-        self.spread: TopologySpread | None = p.strict_spread
-        self.agg: Vec = tuple(need.aggregate_resources.get(d) for d in dims)
-        self.minu: Vec = tuple(need.min_unit.get(d) for d in dims)
+        same: Requirement | None = None
+        for r in p.requirements:
+            if r.operator is Operator.SAME:
+                same = r
+                break
+        self.same = same
+        self.spread: TopologySpread | None = p.strict_spread if (same is None and p.spread) else None
+        am = need.aggregate_resources._map
+        self.agg: Vec = tuple([am.get(d, 0) for d in dims])
+        mm = need.min_unit._map
+        self.minu: Vec = tuple([mm.get(d, 0) for d in dims])
         self.arrival = need.arrival_unix_nanos
-        self.order = (-self.prio, -penalty_sort_key(self.ib), -penalty_sort_key(self.rb), self.arrival,
+        self.order = (-self.prio, -(self.ib if self.ib > 1 else 1), -(self.rb if self.rb > 1 else 1), self.arrival,
                       self.cluster, self.fp)
         self.key = self.cluster + "\x00" + self.fp
         self.park_key = self.cluster + "\x00" + self.group + "\x00" + self.fp
@@ -139,7 +149,7 @@ class _N:
         self.same_domain = ""
         self.same_sat = False
         self.victims = 0
-        self.freed: Vec = tuple(0 for _ in dims)
+        self.freed: Vec = tuple([0] * len(dims))
         self.unmet_age = 0
 
 
@@ -156,11 +166,15 @@ class _Cycle:
         #: cluster → claims on its bound (Configured/Configuring) machines
         self.held: dict[str, dict[str, _N]] = {}
         self.bcur: dict[tuple[str, int, int], int] = {}
+        #: cluster → how many of its CONFIGURED machines are held
+        self.hconf: dict[str, int] = {}
         self.cursor: dict[tuple[int, int], int] = {}
         self.taken: dict[tuple[int, int], int] = {}
         self.vused: dict[tuple[int, int], int] = {}
         self.zero: Vec = tuple(0 for _ in dims)
         self._eligible: dict[tuple[tuple[Requirement, ...], Vec], list[MClass]] = {}
+        self._ordered: dict[tuple[tuple[int, ...], int, float], list[list[MClass]]] = {}
+        self._heaps: dict[tuple[int, int], list[tuple[float, str, int]]] = {}
         self._domains: dict[tuple[tuple[Requirement, ...], Vec, str], list[tuple[str, list[MClass]]]] = {}
         self._bound: dict[tuple[str, int, tuple[Requirement, ...], Vec], list[tuple[MClass, list[Machine]]]] = {}
 
@@ -317,6 +331,37 @@ def _hold(cy: _Cycle, m: Machine, n: _N) -> None:
     h[m.id] = n
     n.claimed.append(m)
     n.credited += 1
+    if m.state is _CONFIGURED_STATE:
+        cy.hconf[n.cluster] = cy.hconf.get(n.cluster, 0) + 1
+
+
+def _bulk_hold(cy: _Cycle, n: _N, state: int, c: MClass, lst: list[Machine]) -> bool:
+    """Credit a whole run of one class at once (C-level dict update); False if the run is not clean."""
+    held = cy.held.get(n.cluster)
+    if held is None:
+        held = cy.held[n.cluster] = {}
+    ck = (n.cluster, state, c.idx)
+    i = cy.bcur.get(ck, 0)
+    size = len(lst)
+    while i < size and lst[i].id in held:
+        i += 1
+    cy.bcur[ck] = i
+    a = cy.alloc[c.idx]
+    k = _units_to_cover(n.remaining, a, size - i)
+    if k <= 0:
+        return size - i == 0
+    chunk = lst[i:i + k]
+    ids = list(map(_ID, chunk))
+    if any(map(held.__contains__, ids)):
+        return False
+    held.update(zip(ids, repeat(n)))
+    n.claimed.extend(chunk)
+    n.credited += k
+    n.remaining = _sub(n.remaining, tuple([x * k for x in a]))
+    cy.bcur[ck] = i + k
+    if state == CONFIGURED:
+        cy.hconf[n.cluster] = cy.hconf.get(n.cluster, 0) + k
+    return True
 
 
 def _keep_stream(cy: _Cycle, n: _N, state: int, lists: list[tuple[MClass, list[Machine]]]
@@ -350,7 +395,10 @@ def _credit_plain(cy: _Cycle, n: _N) -> None:
     for state in (CONFIGURED, CONFIGURING):
         if not any(n.remaining):
             return
-        for c, m in _keep_stream(cy, n, state, _bound_lists(cy, n, state)):
+        lists = _bound_lists(cy, n, state)
+        if len(lists) == 1 and _bulk_hold(cy, n, state, lists[0][0], lists[0][1]):
+            continue
+        for c, m in _keep_stream(cy, n, state, lists):
             if not any(n.remaining):
                 return
             _hold(cy, m, n)
@@ -522,7 +570,15 @@ def _units_to_cover(rem: Vec, unit: Vec, limit: int) -> int:
 
 
 def _ordered_classes(cy: _Cycle, classes: list[MClass], state: int, penalty: float) -> list[list[MClass]]:
-    """Classes with supply in `state`, grouped by equal effective cost, cheapest group first."""
+    """Classes with supply in `state`, grouped by equal effective cost, cheapest group first (cached)."""
+    ck = (tuple([c.idx for c in classes]), state, penalty)
+    got = cy._ordered.get(ck)
+    if got is None:
+        got = cy._ordered[ck] = _order_classes(cy, classes, state, penalty)
+    return got
+
+
+def _order_classes(cy: _Cycle, classes: list[MClass], state: int, penalty: float) -> list[list[MClass]]:
     have = [c for c in classes if (state, c.idx) in cy.ix.pool]
     have.sort(key=lambda c: (c.eff_cost(penalty), c.idx))
     groups: list[list[MClass]] = []
@@ -538,17 +594,37 @@ def _ordered_classes(cy: _Cycle, classes: list[MClass], state: int, penalty: flo
 
 
 def _next_in_group(cy: _Cycle, state: int, group: list[MClass]) -> tuple[MClass, Machine] | None:
-    """The next unclaimed machine of a group of equal-cost classes: reclamation asc, then id."""
-    best: tuple[MClass, Machine] | None = None
-    best_k: tuple[float, str] = (0.0, "")
-    for c in group:
+    """The next unclaimed machine of a group of equal-cost classes: reclamation asc, then id.
+
+    Groups of several classes keep a lazily validated heap of class heads, so picking is
+    O(log classes) instead of a scan of every class per pick.
+    """
+    if len(group) == 1:
+        c = group[0]
         m = cy.head((state, c.idx))
+        return None if m is None else (c, m)
+    gk = (state, id(group))
+    h = cy._heaps.get(gk)
+    if h is None:
+        h = []
+        for c in group:
+            m = cy.head((state, c.idx))
+            if m is not None:
+                h.append((m_reclamation(m), m.id, c.idx))
+        heapq.heapify(h)
+        cy._heaps[gk] = h
+    classes = cy.ix.classes
+    while h:
+        _, mid, ci = h[0]
+        m = cy.head((state, ci))
         if m is None:
+            heapq.heappop(h)
             continue
-        k = (m_reclamation(m), m.id)
-        if best is None or k < best_k:
-            best, best_k = (c, m), k
-    return best
+        if m.id != mid:
+            heapq.heapreplace(h, (m_reclamation(m), m.id, ci))
+            continue
+        return classes[ci], m
+    return None
 
 
 def _acquire(cy: _Cycle, n: _N, classes: list[MClass], penalty: float) -> None:
@@ -702,13 +778,34 @@ def _reclaim_key(m: Machine) -> tuple[float, float, str]:
     return (m_reclamation(m), -m.shape.price_per_hour, m.id)
 
 
-def _excess(cy: _Cycle, cluster: str, grace: int) -> list[Drain]:
-    """Reclaim drains for the cluster's unclaimed Configured machines, cheapest to lose first."""
+def _reclaim_desc_key(m: Machine) -> tuple[float, float, str]:
+    return (-m_reclamation(m), m.shape.price_per_hour, m.id)
+
+
+def _excess(cy: _Cycle, cluster: str, grace: int, limit: int, exclude: set[str]) -> tuple[list[Drain], int]:
+    """The first `limit` reclaim drains of the cluster's unclaimed Configured machines, cheapest to
+    lose first (reclamation asc, price desc, id desc), and how many such machines there are.
+
+    Each class list is kept in keep order, so its unclaimed tail read backwards is already in reclaim
+    order; a lazy merge produces only the head the cap lets through.
+    """
     by_class = cy.ix.bound.get(cluster, {}).get(CONFIGURED, {})
     held = cy.held.get(cluster) or {}
-    excess = [m for lst in by_class.values() for m in lst if m.id not in held]
-    excess.sort(key=_reclaim_key)
-    return [Drain(m.id, cluster, grace, 0, "reclaim") for m in excess]
+    total = cy.ix.configured_count.get(cluster, 0) - cy.hconf.get(cluster, 0)
+    if exclude:
+        total -= sum(1 for lst in by_class.values() for m in lst if m.id in exclude and m.id not in held)
+    if total <= 0 or limit <= 0:
+        return [], max(0, total)
+
+    def tail(lst: list[Machine]) -> Iterator[Machine]:
+        for m in reversed(lst):
+            if m.id not in held and m.id not in exclude:
+                yield m
+
+    lists = list(by_class.values())
+    stream: Iterator[Machine] = tail(lists[0]) if len(lists) == 1 else heapq.merge(
+        *(tail(lst) for lst in lists), key=_reclaim_desc_key, reverse=True)
+    return [Drain(m.id, cluster, grace, 0, "reclaim") for m in islice(stream, limit)], total
 
 
 def _releases(cy: _Cycle, now: int, config: EngineConfig) -> list[Action]:
@@ -740,10 +837,11 @@ class _ClusterCache:
     """A cluster whose needs were all met by its own bound machines (nothing global involved), so
     its Phase-1 result, verdicts and excess can be reused while its inputs are unchanged."""
 
-    __slots__ = ("domains", "drains", "held", "key", "needs", "rows", "verdicts")
+    __slots__ = ("domains", "drains", "folded", "hconf", "held", "key", "needs", "rows", "verdicts")
 
     def __init__(self, key: tuple[Any, ...], needs: tuple[Need, ...], rows: list[_N], held: dict[str, _N],
-                 verdicts: list[Verdict], drains: list[Drain] | None, domains: dict[str, str]) -> None:
+                 verdicts: list[Verdict], drains: tuple[tuple[int, int], list[Drain], int] | None,
+                 domains: dict[str, str], hconf: int) -> None:
         self.key = key
         self.needs = needs
         self.rows = rows
@@ -751,6 +849,8 @@ class _ClusterCache:
         self.verdicts = verdicts
         self.drains = drains
         self.domains = domains
+        self.folded = 0
+        self.hconf = hconf
 
 
 class Engine:
@@ -761,7 +861,10 @@ class Engine:
     Engine. Not thread-safe; one Engine per shard leader.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        #: optional monotonic clock for per-phase timings (`last_phase_seconds`); never affects results
+        self._clock = clock
+        self.last_phase_seconds: dict[str, float] = {}
         self._ix: Index | None = None
         self._src: Any = None
         self._gen: int | None = None
@@ -815,8 +918,20 @@ class Engine:
                state: EngineState, config: EngineConfig, reservations: Mapping[str, str] | None = None
                ) -> Decision:
         """See `decide`."""
+        self.last_phase_seconds = {}
+        self._mark("start")
         ix = self._sync(inventory)
+        self._mark("index")
         return self._decide(ix, _by_cluster(needs), now_unix_nanos, state, config, reservations or {})
+
+    def _mark(self, phase: str) -> None:
+        if self._clock is None:
+            return
+        t = self._clock()
+        last = self.last_phase_seconds.get("_t")
+        if last is not None and phase != "start":
+            self.last_phase_seconds[phase] = self.last_phase_seconds.get(phase, 0.0) + (t - last)
+        self.last_phase_seconds["_t"] = t
 
     def _decide(self, ix: Index, by_cluster: dict[str, tuple[Need, ...]], now: int, state: EngineState,
                 config: EngineConfig, reservations: Mapping[str, str]) -> Decision:
@@ -850,6 +965,7 @@ class Engine:
             if cc is not None and cc.key == key and (cc.needs is cn or cc.needs == cn) and _still_stable(cc, state):
                 cached[c] = cc
                 cy.held[c] = cc.held
+                cy.hconf[c] = cc.hconf
                 continue
             rows_raw, f = normalize(cn, ix)
             folded += f
@@ -867,19 +983,23 @@ class Engine:
 
         work = [n for _, _, _, rows in fresh for n in rows]
         work.sort(key=lambda r: r.order)
+        self._mark("phase1_prepare")
         _credit(cy, work, state)
         # clusters fully served by their own bound machines are cacheable
         stable: set[str] = set()
         for c, _cn, _key, rows in fresh:
             if all(not any(n.remaining) and not n.reserved_credit and not n.parked for n in rows):
                 stable.add(c)
+        self._mark("phase1_credit")
         _acquire_all(cy, work)
         for n in work:
             n.p1_remaining = n.remaining
             if any(n.remaining):
                 n.unmet_age = state.unmet_ages.get(n.key, 0) + 1
+        self._mark("phase1_acquire")
         counters = {"victims_scanned": 0}
-        p2_actions, victims = _phase2(cy, work, config, counters)
+        p2_actions, _ = _phase2(cy, work, config, counters)
+        self._mark("phase2")
 
         # verdicts and cache entries, cluster by cluster in sorted order
         verdicts: list[Verdict] = []
@@ -902,35 +1022,38 @@ class Engine:
             verdicts.extend(vs)
             new_domains.update(doms)
             if c in stable:
-                self._cache[c] = _ClusterCache(key, cn, rows, cy.held.get(c, {}), vs, None, doms)
+                entry = self._cache[c] = _ClusterCache(key, cn, rows, cy.held.get(c, {}), vs, None, doms,
+                                                       cy.hconf.get(c, 0))
+                entry.folded = sum(1 for v in vs if v.folded_into)
 
+        self._mark("verdicts")
         # Phase 3: reclaim (gated by first roll-up, capped) and release
         reclaims: list[Action] = []
         n_deferred = 0
         grace = config.reclaim_grace_seconds
+        victims_by_cluster: dict[str, set[str]] = {}
+        for a in p2_actions:
+            if isinstance(a, Drain):
+                victims_by_cluster.setdefault(a.cluster_id, set()).add(a.machine_id)
         for c in sorted(ix.configured_count):
             if c not in state.first_rollup:
                 continue
-            cc = self._cache.get(c)
-            if cc is not None and c in by_cluster:
-                if cc.drains is None or (cc.drains and cc.drains[0].grace_period_seconds != grace):
-                    cc.drains = _excess(cy, c, grace)
-                drains = cc.drains
-            else:
-                drains = _excess(cy, c, grace)
-            if not drains:
-                continue
-            if victims:
-                drains = [a for a in drains if a.machine_id not in victims]
-            cap = len(drains)
+            cap = ix.configured_count[c]
             if config.reclaim_cap_fraction > 0:
                 cap = max(1, math.floor(config.reclaim_cap_fraction * ix.configured_count[c]))
-            if cap < len(drains):
-                n_deferred += len(drains) - cap
-                reclaims.extend(drains[:cap])
+            excl = victims_by_cluster.get(c, set())
+            cc = self._cache.get(c)
+            if cc is not None and c in by_cluster and not excl:
+                if cc.drains is None or cc.drains[0] != (grace, cap):
+                    d_list, d_total = _excess(cy, c, grace, cap, excl)
+                    cc.drains = ((grace, cap), d_list, d_total)
+                _, drains, total = cc.drains
             else:
-                reclaims.extend(drains)
+                drains, total = _excess(cy, c, grace, cap, excl)
+            reclaims.extend(drains)
+            n_deferred += total - len(drains)
         releases = _releases(cy, now, config)
+        self._mark("phase3")
 
         # Phase 1 actions: per need in precedence order, Idle first then Speculative
         p1_actions: list[Action] = []
@@ -1002,8 +1125,7 @@ class Engine:
         stats = PhaseStats(
             needs_in=n_in,
             needs_normalized=n_rows,
-            needs_folded=folded + sum(len(v) for cc in cached.values() for v in [cc.verdicts]
-                                      if False),
+            needs_folded=folded + sum(cc.folded for cc in cached.values()),
             machines=ix.total,
             machine_classes=len(ix.classes),
             credited=sum(n.credited for n in work) + sum(n.credited for cc in cached.values() for n in cc.rows),
@@ -1027,6 +1149,8 @@ class Engine:
         if config.paused or config.dry_run:
             mode = "paused" if config.paused else "dry_run"
             suppressed, emitted = emitted, ()
+        self._mark("ledgers")
+        self.last_phase_seconds.pop("_t", None)
         return Decision(
             actions=emitted,
             shortfalls=tuple(shortfalls),
@@ -1108,25 +1232,18 @@ def _unmet_reason(cy: _Cycle, n: _N, unsat: bool, supply: MatchingSupply | None 
     return UnmetReason.PRIORITY_STARVED
 
 
+_NO_SUPPLY = MatchingSupply()
+
+
 def _verdicts(cy: _Cycle, n: _N, unsat: bool) -> list[Verdict]:
-    supply = _matching_supply(cy, n) if unsat else MatchingSupply()
-    folded = len(n.members) > 1 or (n.members and n.members[0] is not n.need)
-    base = dict(
-        satisfied=not unsat,
-        deficit=_res(cy.dims, n.p1_remaining),
-        claimed_count=len(n.claimed),
-        bootstrap_count=len(n.acquired_idle),
-        provision_count=len(n.acquired_spec),
-        same_domain=n.same_domain,
-        same_satisfiable=n.same_sat,
-        parked=n.parked,
-        parked_age_cycles=n.park_age,
-        age_cycles_unmet=n.unmet_age if unsat else 0,
-        unmet_reason=_unmet_reason(cy, n, unsat, supply),
-        matching_supply=supply,
-        victims_found=n.victims,
-        capacity_freed=_res(cy.dims, n.freed) if n.victims else None,
-    )
-    return [Verdict(cluster_id=m.cluster_id, fingerprint=m.fingerprint, folded_into=n.fp if folded else "",
-                    **base)  # type: ignore[arg-type]
-            for m in n.members]
+    supply = _matching_supply(cy, n) if unsat else _NO_SUPPLY
+    members = n.members
+    folded = len(members) > 1 or members[0] is not n.need
+    deficit = _res(cy.dims, n.p1_remaining) if unsat else EMPTY
+    reason = _unmet_reason(cy, n, unsat, supply) if unsat else UnmetReason.SATISFIED
+    freed = _res(cy.dims, n.freed) if n.victims else None
+    into = n.fp if folded else ""
+    return [Verdict(m.cluster_id, m.profile._fingerprint, not unsat, deficit, len(n.claimed), len(n.acquired_idle),
+                    len(n.acquired_spec), n.same_domain, n.same_sat, n.parked, n.park_age,
+                    n.unmet_age if unsat else 0, reason, supply, n.victims, freed, into)
+            for m in members]
