@@ -115,7 +115,7 @@ def bench_aggregated500k(scale: float, reps: int) -> None:
     _record("aggregated-500k", "cold", [(ph, t)], "≤ 2 s")
     st = d.state
     runs = []
-    for r in range(reps):
+    for _ in range(reps):
         d, ph, t = _cycle(eng, table, inv, st, cfg)
         st = d.state
         runs.append((ph, t))
@@ -162,7 +162,7 @@ def bench_phase2(scale: float, reps: int) -> None:
 
 
 def bench_phase3(scale: float, reps: int) -> None:
-    needs, inv, names = shapes.phase3_high_demand(int(500_000 * scale), 50)
+    needs, inv, _names = shapes.phase3_high_demand(int(500_000 * scale), 50)
     table = _table(needs)
     state = _ready(table)
     cfg = EngineConfig()
