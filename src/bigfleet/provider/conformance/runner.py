@@ -166,9 +166,11 @@ def _run_lane(lane: str, target: str, params: Params, shared: dict[str, Any] | N
         for chk in checks_for(lane):
             if only and chk.id not in only:
                 continue
+            before = len(ctx.shared.get("report", []))
             r = _run_check(chk, ctx)
-            if lane == "scale" and r.status == "pass" and ctx.shared.get("report"):
-                r.detail = "; ".join(ctx.shared["report"])
+            measured = ctx.shared.get("report", [])[before:]
+            if r.status == "pass" and measured:
+                r.detail = "; ".join(measured)
             out.append(r)
             if on_result:
                 on_result(r)
@@ -193,6 +195,8 @@ def run_suite(
 
     def emit(rs: list[Result]) -> None:
         for r in rs:
+            if only and r.id not in only:
+                continue
             results.append(r)
             if on_result:
                 on_result(r)

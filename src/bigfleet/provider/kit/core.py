@@ -105,6 +105,10 @@ class ProviderCore:
         # Bumped on every change that must reach the store (including a fence mark
         # advanced by a call that is then rejected).
         self.changes = 0
+        # What changed since the last take_delta(), for journaling stores.
+        self._dirty_m: set[str] = set()
+        self._dirty_f: set[tuple[str, str]] = set()
+        self._dirty_o: set[tuple[str, Kind]] = set()
 
     # ---- bootstrap -------------------------------------------------------------------------------
 
@@ -126,6 +130,7 @@ class ProviderCore:
             self.rev += 1
             rec.touch(self.rev)
             self.machines[rec.id] = rec
+            self._dirty_m.add(rec.id)
         if added:
             self.changes += 1
         return len(added)
@@ -159,6 +164,7 @@ class ProviderCore:
                  rec.labels) = fresh
             self.rev += 1
             rec.touch(self.rev)
+            self._dirty_m.add(rec.id)
             changed += 1
         if changed:
             self.changes += 1
@@ -175,6 +181,7 @@ class ProviderCore:
                 rec.op_id = ""
                 self.rev += 1
                 rec.touch(self.rev)
+                self._dirty_m.add(rec.id)
                 ids.append(rec.id)
         if ids:
             self.changes += 1
@@ -205,6 +212,7 @@ class ProviderCore:
                     f"fenced: token {token} for shard {fence.shard_id!r} is not newer than {mark}",
                 )
             self.fences[key] = token
+            self._dirty_f.add(key)
             self.changes += 1
         rec = self.machines.get(machine_id)
         if rec is None:
@@ -225,6 +233,8 @@ class ProviderCore:
         op_id = f"{self.op_prefix}-{self.next_op}"
         self.next_op += 1
         self.ops[(machine_id, kind)] = op_id
+        self._dirty_o.add((machine_id, kind))
+        self._dirty_m.add(machine_id)
         rec.state = kind.transitional
         rec.op_id = op_id
         if kind == Kind.CONFIGURE:
@@ -273,6 +283,7 @@ class ProviderCore:
         rec.op_id = ""
         self.rev += 1
         rec.touch(self.rev)
+        self._dirty_m.add(machine_id)
         self.changes += 1
         return True
 
@@ -331,9 +342,32 @@ class ProviderCore:
 
     # ---- persistence -----------------------------------------------------------------------------
 
+    def take_delta(self) -> dict[str, object]:
+        """What changed since the last delta or snapshot, as upserts (replaying one twice is harmless)."""
+        d: dict[str, object] = {
+            "changes": self.changes,
+            "rev": self.rev,
+            "next_op": self.next_op,
+            "machines": [self.machines[m].to_json() for m in self._dirty_m if m in self.machines],
+            "fences": [
+                {"shard_id": s, "machine_id": m, "epoch": self.fences[(s, m)][0], "sequence": self.fences[(s, m)][1]}
+                for (s, m) in self._dirty_f
+            ],
+            "ops": [{"machine_id": m, "kind": k.value, "operation_id": self.ops[(m, k)]} for (m, k) in self._dirty_o],
+        }
+        self._clear_dirty()
+        return d
+
+    def _clear_dirty(self) -> None:
+        self._dirty_m = set()
+        self._dirty_f = set()
+        self._dirty_o = set()
+
     def snapshot(self) -> dict[str, object]:
+        self._clear_dirty()
         return {
             "version": SNAPSHOT_VERSION,
+            "changes": self.changes,
             "rev": self.rev,
             "next_op": self.next_op,
             "machines": [m.to_json() for m in self.machines.values()],
@@ -367,3 +401,5 @@ class ProviderCore:
         self.machines, self.fences, self.ops = machines, fences, ops
         self.rev = rev
         self.next_op = int(snap.get("next_op", 1))  # type: ignore[call-overload]
+        self.changes = int(snap.get("changes", 0))  # type: ignore[call-overload]
+        self._clear_dirty()

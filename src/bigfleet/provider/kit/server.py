@@ -132,7 +132,7 @@ class ProviderServer:
         self.store: Store = store if store is not None else NullStore()
         self.options = options or KitOptions()
         self.core = ProviderCore(op_prefix=self.options.op_prefix, supports_delete=backend.supports_delete)
-        self.committer = GroupCommitter(self.store, self.core.snapshot, lambda: self.core.changes)
+        self.committer = GroupCommitter(self.store, self.core)
         self.rng = random.Random(self.options.list_seed)
         self.log = get_logger("bigfleet.provider.kit")
         self.metrics = _Metrics(registry or CollectorRegistry(), self.core)

@@ -1,0 +1,156 @@
+"""The conformance suite: every lane passes against our providers, and it catches broken ones."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from bigfleet.provider.conformance.runner import LANES, Params, run_suite
+from bigfleet.provider.fake.backend import SimulatedCloud
+from bigfleet.provider.fake.catalog import build_catalog
+from bigfleet.provider.kit import Fence, KitError, serve
+from bigfleet.provider.kit.core import ProviderCore
+from bigfleet.provider.kit.server import RunningProvider
+
+ROOT = Path(__file__).resolve().parents[2]
+FAKE_CMD = (f"{sys.executable} -m bigfleet.cli.main fake-provider --listen {{listen}} --state-file {{state_file}} "
+            "--seed-count {seed_count} --log-level warning")
+EXAMPLE_CMD = (f"{sys.executable} {ROOT / 'examples/provider/example_provider.py'} --listen {{listen}} "
+               "--state-file {state_file} --seed-count {seed_count} --log-level warning")
+SMALL = Params(scale_machines=1500, scale_burst=96, list_budget=10.0, rpc_budget=1.0, settle_timeout=30.0,
+               core_seed=200)
+
+
+def _summary(results: list[Any]) -> str:
+    return "\n".join(f"{r.lane} {r.id} {r.status}: {r.detail}" for r in results if r.status != "pass")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cmd", [FAKE_CMD, EXAMPLE_CMD], ids=["fake-provider", "example-provider"])
+def test_every_lane_passes(cmd: str, tmp_path: Path) -> None:
+    results = run_suite(None, LANES, cmd, SMALL, tmp_path)
+    assert {r.lane for r in results} == set(LANES)
+    assert all(r.status == "pass" for r in results), _summary(results)
+
+
+@pytest.mark.slow
+def test_cli_table_junit_and_exit_codes(fake_provider: str, tmp_path: Path) -> None:
+    junit = tmp_path / "out.xml"
+    cmd = [sys.executable, "-m", "bigfleet.cli.main", "conformance", "--target", fake_provider, "--quiet",
+           "--lanes", "core,fault", "--only", "C101,C201,C504,F601", "--junit", str(junit)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "C201" in p.stdout and "3 passed, 0 failed, 1 skipped" in p.stdout
+    suites = ET.parse(junit).getroot()
+    cases = suites.findall(".//testcase")
+    assert len(cases) == 4 and len(suites.findall(".//skipped")) == 1
+    p = subprocess.run([*cmd[:-2], "--strict"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1  # the skipped fault lane fails a strict run
+    p = subprocess.run([sys.executable, "-m", "bigfleet.cli.main", "conformance", "--lanes", "nope",
+                        "--target", fake_provider], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+
+
+# ---- the suite must fail broken providers ----------------------------------------------------------
+
+
+@pytest.fixture
+def in_process() -> Iterator[Callable[[Callable[[RunningProvider], None]], str]]:
+    """Host a kit provider on a background event loop; the test may break it first."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    running: list[RunningProvider] = []
+
+    def start(breaker: Callable[[RunningProvider], None]) -> str:
+        rp = asyncio.run_coroutine_threadsafe(serve(SimulatedCloud(build_catalog(80))), loop).result(30)
+        breaker(rp)
+        running.append(rp)
+        return f"127.0.0.1:{rp.port}"
+
+    yield start
+    for rp in running:
+        asyncio.run_coroutine_threadsafe(rp.stop(), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
+
+
+def _no_fencing(rp: RunningProvider) -> None:
+    core = rp.provider.core
+    orig = core.mutate
+
+    def mutate(kind: Any, mid: str, fence: Fence, *a: Any) -> Any:
+        return orig(kind, mid, Fence(), *a)
+
+    core.mutate = mutate  # type: ignore[method-assign]
+
+
+def _fp_for_position(rp: RunningProvider) -> None:
+    core = rp.provider.core
+    orig = core.mutate
+
+    def mutate(*a: Any) -> Any:
+        try:
+            return orig(*a)
+        except KitError as exc:
+            if exc.code == grpc.StatusCode.INTERNAL:
+                raise KitError(grpc.StatusCode.FAILED_PRECONDITION, exc.message) from None
+            raise
+
+    core.mutate = mutate  # type: ignore[method-assign]
+
+
+def _fixed_order(rp: RunningProvider) -> None:
+    rp.provider.rng.randrange = lambda n: 0  # type: ignore[method-assign, assignment]
+
+
+def _drops_metadata(rp: RunningProvider) -> None:
+    core: ProviderCore = rp.provider.core
+    orig = core.mutate
+
+    def mutate(kind: Any, mid: str, fence: Fence, cluster: str = "", md: Any = None) -> Any:
+        return orig(kind, mid, fence, cluster, {k: v for k, v in (md or {}).items() if "\x00" not in k + v})
+
+    core.mutate = mutate  # type: ignore[method-assign]
+
+
+def _no_revision_bump_on_completion(rp: RunningProvider) -> None:
+    core = rp.provider.core
+    orig = core.complete
+
+    def complete(*a: Any, **kw: Any) -> bool:
+        rev = core.rev
+        ok = orig(*a, **kw)
+        core.rev = rev
+        return ok
+
+    core.complete = complete  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize(
+    "breaker, must_fail",
+    [
+        (_no_fencing, {"C201", "C202", "C204", "C207"}),
+        (_fp_for_position, {"C104"}),
+        (_fixed_order, {"C506"}),
+        (_drops_metadata, {"C401"}),
+        (_no_revision_bump_on_completion, {"C504"}),
+    ],
+    ids=["no-fencing", "fp-for-bad-transition", "fixed-list-order", "drops-metadata", "stale-revision"],
+)
+def test_suite_catches_broken_providers(in_process: Any, breaker: Any, must_fail: set[str], tmp_path: Path) -> None:
+    target = in_process(breaker)
+    results = run_suite(target, ["core"], None, Params(settle_timeout=5.0), tmp_path, only=must_fail | {"C101"})
+    failed = {r.id for r in results if r.status == "fail"}
+    assert must_fail <= failed, _summary(results)
+    assert "C101" not in failed
