@@ -160,6 +160,35 @@ def _cpu_rows(pki: Path) -> list[tuple[str, str]]:
         rows.append(("rollup_from_proto, 1,000 needs (for scale)", f"{dec * 1e3:.2f} ms"))
     except ImportError:
         pass
+    from bigfleet.security.roles import READ, _decide, _StrictContext
+
+    class _Ctx:
+        def __init__(self) -> None:
+            self.auth = {"transport_security_type": [b"ssl"], "x509_pem_cert": [pem], "ssl_tls_version": [b"TLSv1.3"]}
+
+        def auth_context(self) -> dict[str, list[bytes]]:
+            return self.auth
+
+        async def read(self) -> object:
+            return pem
+
+    ctx = _Ctx()
+    d = timeit.timeit(lambda: _decide(ctx, READ, None), number=n * 10) / (n * 10)
+    rows.append(("interceptor decision per call (TLS peer, cached identity)", f"{d * 1e6:.2f} µs"))
+    strict = _StrictContext(ctx)
+
+    async def reads(k: int) -> None:
+        for _ in range(k):
+            await strict.read()
+
+    async def raw_reads(k: int) -> None:
+        for _ in range(k):
+            await ctx.read()
+
+    k = 100_000
+    t_strict = timeit.timeit(lambda: asyncio.run(reads(k)), number=1) / k
+    t_raw = timeit.timeit(lambda: asyncio.run(raw_reads(k)), number=1) / k
+    rows.append(("malformed-frame guard per stream read (overhead)", f"{(t_strict - t_raw) * 1e9:.0f} ns"))
     th = SessionThrottle()
     k = 200_000
     t = timeit.timeit(lambda: th.on_frame(0.0) is not None and th.on_rollup(0.0), number=k) / k
