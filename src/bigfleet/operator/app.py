@@ -179,6 +179,7 @@ class Operator:
                                      backoff=backoff, tls=cfg.tls)
         self.last_rollup: capacity_pb2.ClusterCapacityNeeds | None = None
         self.map_cache = MapCache()
+        self._ack_task: asyncio.Task[int] | None = None
         self._last_fp: bytes | None = None
         self.elector: LeaseElector | None = None
         if cfg.leader_elect:
@@ -190,7 +191,8 @@ class Operator:
         self._rollup_due.set()
 
     async def rollup_now(self) -> capacity_pb2.ClusterCapacityNeeds:
-        """Build a roll-up from the cache, queue it, then acknowledge the CRs it included for the first time."""
+        """Build a roll-up from the cache, queue it, then acknowledge (in the background) the CRs it included
+        for the first time."""
         await self.crs.synced.wait()
         t0 = time.perf_counter()
         items = self.crs.items()
@@ -210,9 +212,14 @@ class Operator:
             log.warning("CapacityRequest skipped", namespace=s.namespace, name=s.name, reason=s.reason)
         self.last_rollup = r.message
         self._last_fp = demand_fingerprint(r.message)
-        if r.to_acknowledge:
-            await self.writer.acknowledge(list(r.to_acknowledge), self.cfg.ack_concurrency)
+        self._start_acks(r.to_acknowledge)
         return r.message
+
+    def _start_acks(self, keys: tuple[tuple[str, str], ...]) -> None:
+        """Acknowledge in the background (one batch at a time) so a burst of new CRs never delays roll-ups."""
+        if not keys or (self._ack_task is not None and not self._ack_task.done()):
+            return
+        self._ack_task = asyncio.create_task(self.writer.acknowledge(list(keys), self.cfg.ack_concurrency))
 
     async def _change_loop(self) -> None:
         """Roll up soon after CapacityRequests change (debounced), only when the demand differs."""
@@ -223,12 +230,13 @@ class Operator:
             if not self.session.connected.is_set() or not self.crs.synced.is_set():
                 continue
             r = build_rollup(self.cfg.cluster_id, self.crs.items(), time.time_ns(), self.map_cache)
-            pending_ack = bool(r.to_acknowledge)
-            if demand_fingerprint(r.message) != self._last_fp or pending_ack:
+            if demand_fingerprint(r.message) != self._last_fp:
                 try:
                     await self.rollup_now()
                 except Exception as exc:
                     log.warning("roll-up failed", error=str(exc)[:300])
+            else:
+                self._start_acks(r.to_acknowledge)
 
     async def _lead(self) -> None:
         self.metrics.is_leader.set(1)
@@ -248,6 +256,8 @@ class Operator:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self._ack_task is not None:
+                self._ack_task.cancel()
             with contextlib.suppress(Exception):
                 await self.session.drain_handlers()
 
