@@ -68,3 +68,34 @@ async def test_two_operator_processes_one_session_and_failover(tmp_path: Path) -
             p.stop()
         await shard.stop()
         kube.stop_thread()
+
+
+@pytest.mark.slow
+async def test_pod_controller_process_writes_a_capacity_request(tmp_path: Path) -> None:
+    kube = KubeTestServer(bookmark_interval=1.0).start_in_thread()
+    kc = kube.kubeconfig(tmp_path / "kubeconfig")
+    defaults = tmp_path / "pc.yaml"
+    defaults.write_text("batch:\n  interruptionPenalty: '12'\n")
+    proc = ManagedProcess.bigfleet(
+        ["pod-controller", "--kubeconfig", str(kc), "--metrics-addr", "0", "--priority-class-defaults", str(defaults)],
+        name="pod-controller", log_dir=tmp_path)
+    try:
+        proc.start()
+        kube.store.put({"apiVersion": "v1", "kind": "Pod",
+                        "metadata": {"name": "job", "namespace": "default"},
+                        "spec": {"priority": 50, "priorityClassName": "batch",
+                                 "containers": [{"name": "c", "image": "i",
+                                                 "resources": {"requests": {"cpu": "250m"}}}]},
+                        "status": {"phase": "Pending", "conditions": [
+                            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]}})
+        crs = await eventually(lambda: kube.store.objects("capacityrequests"), timeout=60, what="CR written")
+        spec = crs[0]["spec"]  # type: ignore[index]
+        assert spec["resources"] == {"cpu": "250m"} and spec["priority"] == 50
+        assert spec["interruptionPenalty"] == "12"
+        assert proc.stop(timeout=20) == 0
+    except BaseException:
+        print(proc.logs()[-3000:])
+        raise
+    finally:
+        proc.stop()
+        kube.stop_thread()
