@@ -15,6 +15,7 @@ Run ``python tests/deploy/chartcheck.py`` for a table over every chart and every
 
 from __future__ import annotations
 
+import functools
 import shlex
 import sys
 from collections.abc import Iterator
@@ -225,23 +226,51 @@ def _strip_checker_annotations(doc: Doc) -> Doc:
     return clean
 
 
+@functools.cache
+def _k8s_validator(kube_version: str, api_version: str, kind: str) -> Any:
+    """A strict validator for one kind, built once.
+
+    Same schema files and resolution as ``kubernetes_validate.validate`` (the newest shipped
+    version not newer than ``kube_version``; ``<group>-<version>`` file naming), but cached:
+    that function re-reads and re-parses the large definitions file on every call.
+    """
+    import re
+
+    import jsonschema
+    import kubernetes_validate.utils as kv
+    from referencing import Registry, Resource
+
+    wanted = kv.major_minor(kube_version)
+    shipped = [v for v in kv.all_versions() if kv.major_minor(v) <= wanted]
+    if not shipped:
+        raise kv.VersionNotSupportedError(version=wanted)
+    folder = f"kubernetes-json-schema/v{shipped[-1]}-local-strict"
+    group_version = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    try:
+        schema = kv.schema_contents(f"{folder}/{kind.lower()}-{group_version}.json", kube_version)
+    except FileNotFoundError:
+        raise kv.SchemaNotFoundError(version=wanted, kind=kind, api_version=api_version) from None
+    definitions = kv.schema_contents(f"{folder}/_definitions.json", kube_version)
+    registry: Registry = Resource.from_contents(schema) @ Registry()
+    registry = Resource.from_contents(definitions) @ registry
+    return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
 def schema_errors(doc: Doc, kube_version: str) -> list[str]:
     """Problems with one object against its OpenAPI schema (strict: unknown fields are errors)."""
     import jsonschema
-    import kubernetes_validate
+    import kubernetes_validate.utils as kv
 
     obj = _strip_checker_annotations(doc)
     key = (obj.get("apiVersion", ""), obj.get("kind", ""))
     if key in EXTRA_SCHEMAS:
         validator = jsonschema.Draft202012Validator(EXTRA_SCHEMAS[key])
-        return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
-    try:
-        kubernetes_validate.validate(obj, kube_version, strict=True)
-    except kubernetes_validate.ValidationError as exc:
-        return [f"{'/'.join(map(str, exc.absolute_path))}: {exc.message}"]
-    except kubernetes_validate.SchemaNotFoundError as exc:
-        return [f"no schema: {exc.message}"]
-    return []
+    else:
+        try:
+            validator = _k8s_validator(kube_version, key[0], key[1])
+        except kv.SchemaNotFoundError as exc:
+            return [f"no schema: {exc.message}"]
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
 
 
 # --- cross-object checks ----------------------------------------------------------------------
@@ -388,6 +417,22 @@ def commands(docs: list[Doc]) -> list[Command]:
             else:
                 found.append(Command(name_of(workload), c["name"], args[0], args[1:]))
     return found
+
+
+def run_cli(argv: list[str]) -> tuple[int, str]:
+    """`bigfleet <argv>` in this process, output captured; argparse's exit on --help is caught."""
+    import contextlib
+    import io
+
+    from bigfleet.cli.main import main as bigfleet_main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = bigfleet_main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    return code, out.getvalue() + err.getvalue()
 
 
 @dataclass

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-import io
 import re
 import shutil
 import stat
@@ -371,22 +369,9 @@ def test_pod_controller_defaults_file_round_trips() -> None:
 # --- flags the charts pass vs flags the daemons accept -------------------------------------------
 
 
-def _run_cli(argv: list[str]) -> tuple[int, str]:
-    """`bigfleet <argv>` in this process (argparse exits on --help), output captured."""
-    from bigfleet.cli.main import main as bigfleet_main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = bigfleet_main(argv)
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-    return code, out.getvalue() + err.getvalue()
-
-
 @functools.cache
 def _help(subcommand: str) -> tuple[int, str]:
-    return _run_cli([subcommand, "--help"])
+    return cc.run_cli([subcommand, "--help"])
 
 
 def _all_commands() -> list[cc.Command]:
@@ -502,5 +487,5 @@ def test_rendered_argv_parses_in_the_daemon(chart: str, label: str, subcommand: 
     pending = {f for group in FEATURE_FLAGS.values() for f in group if not re.search(rf"(?<![\w-]){f}(?![\w-])", text)}
     argv = [a for a in argv if a.split("=", 1)[0] not in pending]
     assert argv[0] == subcommand
-    code, out = _run_cli([*argv, "--help"])
+    code, out = cc.run_cli([*argv, "--help"])
     assert code == 0, f"{argv}\n{out}"

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import chartcheck as cc
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
@@ -68,18 +72,15 @@ def test_architecture_has_a_diagram() -> None:
 
 def test_quickstart_commands_name_real_subcommands_and_flags() -> None:
     """Every `bigfleet <sub> --flag` in the quickstart is a subcommand and flag the CLI defines."""
-    import subprocess
-    import sys
-
     text = (DOCS / "quickstart.md").read_text()
     blocks = re.findall(r"```sh\n(.*?)```", text, re.S)
     invocations = re.findall(r"^\s*bigfleet ([a-z-]+)((?:\\\n|[^\n])*)", "\n".join(blocks), re.M)
     assert {sub for sub, _ in invocations} >= {"fake-provider", "coordinator", "shard", "operator"}
     for sub, rest in invocations:
-        proc = subprocess.run([sys.executable, "-m", "bigfleet.cli.main", sub, "--help"], capture_output=True, text=True, timeout=120)
-        if "not available in this build yet" in proc.stdout + proc.stderr:
+        code, text = cc.run_cli([sub, "--help"])
+        if "not available in this build yet" in text:
             pytest.skip(f"`bigfleet {sub}` is not in this build yet")
-        assert proc.returncode == 0, proc.stderr
+        assert code == 0, text
         for flag in re.findall(r"(--[a-z-]+)", rest):
-            accepted = re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", proc.stdout)
+            accepted = re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text)
             assert accepted, f"quickstart passes {flag} to `bigfleet {sub}`, which does not accept it"
