@@ -1,19 +1,20 @@
 """AvailableCapacityUpdate hints: how much of each demanded profile the shard could supply soon.
 
-Computed once per distinct profile per cycle (many clusters share profiles),
-then sent per (cluster, fingerprint) only when (count, confidence, cost)
-changed and at most once per interval per key.
+Matching depends only on a need's requirements and a machine's shape, so the work is done per
+(distinct requirement set × distinct machine shape), never per (need × machine): thousands of
+clusters sharing a handful of requirement sets cost a handful of evaluations. Pure; the daemon
+runs it off the event loop. Sending is rate-limited per (cluster, fingerprint) and only on change.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from bigfleet.needs import Need, Profile, requirement_to_proto
+from bigfleet.machine import Machine, MachineShape, MachineState
+from bigfleet.needs import Need, Requirement, requirement_to_proto
 from bigfleet.v1alpha1 import provider_pb2, shard_pb2
 
-S = provider_pb2.MachineState
 Conf = shard_pb2.AvailableCapacityUpdate
 
 
@@ -25,39 +26,62 @@ class Availability:
     resources: Mapping[str, str]
 
 
-def machine_labels(pb: provider_pb2.Machine) -> dict[str, str]:
-    labels = dict(pb.labels)
-    if pb.instance_type:
-        labels.setdefault("node.kubernetes.io/instance-type", pb.instance_type)
-    if pb.zone:
-        labels.setdefault("topology.kubernetes.io/zone", pb.zone)
-    return labels
+@dataclass
+class _ShapeSupply:
+    idle: int = 0
+    spec: int = 0
 
 
-def availability_for(profile: Profile, machines: Iterable[provider_pb2.Machine], inflight: Mapping[str, str]) -> Availability:
+def supply_by_shape(machines: Iterable[Machine], busy: frozenset[str]) -> dict[MachineShape, _ShapeSupply]:
+    out: dict[MachineShape, _ShapeSupply] = {}
+    for m in machines:
+        st = m.state
+        if (st is not MachineState.IDLE and st is not MachineState.SPECULATIVE) or m.id in busy or m.cluster:
+            continue
+        s = out.get(m.shape)
+        if s is None:
+            s = out[m.shape] = _ShapeSupply()
+        if st is MachineState.IDLE:
+            s.idle += 1
+        else:
+            s.spec += 1
+    return out
+
+
+def availability_for(requirements: Sequence[Requirement], supply: Mapping[MachineShape, _ShapeSupply]) -> Availability:
     idle = spec = 0
     idle_cost = spec_cost = float("inf")
-    shape: Mapping[str, str] = {}
-    for pb in machines:
-        if pb.state not in (S.MACHINE_STATE_IDLE, S.MACHINE_STATE_SPECULATIVE) or pb.id in inflight:
+    shape_res: Mapping[str, str] = {}
+    for shape, s in supply.items():
+        labels = shape.match_labels
+        if not all(r.matches(labels) for r in requirements):
             continue
-        if not profile.matches(machine_labels(pb)):
-            continue
-        if not shape:
-            shape = dict(pb.resources.resources)
-        if pb.state == S.MACHINE_STATE_IDLE:
-            idle += 1
-            idle_cost = min(idle_cost, pb.price_per_hour)
-        else:
-            spec += 1
-            spec_cost = min(spec_cost, pb.price_per_hour)
+        if not shape_res:
+            shape_res = shape.resources.to_wire()
+        if s.idle:
+            idle += s.idle
+            idle_cost = min(idle_cost, shape.price_per_hour)
+        if s.spec:
+            spec += s.spec
+            spec_cost = min(spec_cost, shape.price_per_hour)
     if idle:
         conf, cost = Conf.CONFIDENCE_HIGH, idle_cost
     elif spec:
         conf, cost = Conf.CONFIDENCE_MEDIUM, spec_cost
     else:
         conf, cost = Conf.CONFIDENCE_NONE, 0.0
-    return Availability(idle + spec, conf, cost, shape)
+    return Availability(idle + spec, conf, cost, shape_res)
+
+
+def compute(needs: Sequence[Need], machines: Iterable[Machine], busy: frozenset[str]) -> dict[tuple[Requirement, ...], Availability]:
+    """One Availability per distinct requirement set among ``needs``."""
+    supply = supply_by_shape(machines, busy)
+    out: dict[tuple[Requirement, ...], Availability] = {}
+    for n in needs:
+        key = n.requirements
+        if key not in out:
+            out[key] = availability_for(key, supply)
+    return out
 
 
 def update_message(need: Need, a: Availability) -> shard_pb2.ShardMessage:

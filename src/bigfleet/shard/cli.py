@@ -8,9 +8,12 @@ import signal
 import sys
 from typing import Any
 
+import grpc
+from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health_pb2_grpc
+
 from bigfleet.observability import configure_logging, get_logger, new_registry, start_metrics_server
-from bigfleet.rpc import new_server
-from bigfleet.rpc.options import NOT_SERVING, SERVING
+from bigfleet.rpc.options import NOT_SERVING, SERVING, server_options
 from bigfleet.v1alpha1 import shard_pb2_grpc, shardread_pb2_grpc
 
 
@@ -41,6 +44,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Operators keep one stream open for days and send keepalive pings (every 20 s with the shared
+# channel options). gRPC servers by default allow a ping without data only every 5 minutes and
+# answer more with GOAWAY "too_many_pings", which would drop every idle session.
+SESSION_SERVER_OPTIONS = [
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_concurrent_streams", 100_000),
+]
+
+
+def build_server() -> tuple[grpc.aio.Server, grpc_health.aio.HealthServicer]:
+    server = grpc.aio.server(options=server_options(SESSION_SERVER_OPTIONS))
+    health = grpc_health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    return server, health
+
+
 def main(argv: list[str]) -> int:
     from bigfleet.shard.config import load_settings
 
@@ -55,6 +76,9 @@ def main(argv: list[str]) -> int:
         print("bigfleet shard: --provider HOST:PORT is required", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format, component="shard")  # type: ignore[arg-type]
+    # The engine runs on a worker thread; a short GIL switch interval lets the event loop (and
+    # gRPC's poller) get back in quickly, which is what bounds roll-up latency while cycles run.
+    sys.setswitchinterval(settings.gil_switch_interval)
     try:
         return asyncio.run(serve(settings))
     except KeyboardInterrupt:
@@ -102,7 +126,7 @@ async def serve(settings: Any) -> int:
         guard=GuardConfig(enabled=settings.empty_rollup_guard),
     )
     daemon = ShardDaemon(cfg, metrics)
-    server, health = new_server()
+    server, health = build_server()
     shard_pb2_grpc.add_ShardServicer_to_server(daemon.servicer, server)
     shardread_pb2_grpc.add_ShardReadServicer_to_server(ShardReadServicer(daemon), server)
     shardread_pb2_grpc.add_ShardAdminServicer_to_server(ShardAdminServicer(daemon), server)

@@ -18,7 +18,7 @@ from bigfleet.decision.types import Configure, Create, Decision, Delete, Drain, 
 from bigfleet.machine import MachineState
 from bigfleet.needs import Need, ValidationError, requirement_to_proto, rollup_from_proto
 from bigfleet.observability import get_logger
-from bigfleet.shard.availability import AvailabilityEmitter, availability_for, update_message
+from bigfleet.shard import availability
 from bigfleet.shard.executor import Binding, Executor, ExecutorConfig
 from bigfleet.shard.guard import EmptyRollupGuard, GuardConfig
 from bigfleet.shard.metrics import ShardMetrics
@@ -71,7 +71,7 @@ class ShardDaemon:
             on_settled=self.trigger,
         )
         self.guard = EmptyRollupGuard(config.guard)
-        self.availability = AvailabilityEmitter(config.available_capacity_interval)
+        self.availability = availability.AvailabilityEmitter(config.available_capacity_interval)
         self.sessions.on_removed.append(self.availability.forget_cluster)
         self.servicer = SessionServicer(self.sessions, self.handle_rollup, self._ack_info, self._resync)
         self.paused = config.engine.paused
@@ -87,6 +87,7 @@ class ShardDaemon:
         self._cursor = b""
         self._reconciles = 0
         self._last_reconcile = 0.0
+        self._last_compute = 0.0
         self._tasks: list[asyncio.Task[Any]] = []
 
     # -- wiring helpers ------------------------------------------------------------------------
@@ -157,7 +158,9 @@ class ShardDaemon:
         started = time.perf_counter()
         lst = await self.provider.list(b"" if full else self._cursor)
         seen: set[str] = set()
-        for pb in lst.machines:
+        for i, pb in enumerate(lst.machines):
+            if i % 1000 == 999:
+                await asyncio.sleep(0)  # a big List must not hold the loop (sessions wait)
             seen.add(pb.id)
             self.view.observe(pb)
         if full:
@@ -175,8 +178,6 @@ class ShardDaemon:
     # -- the cycle -----------------------------------------------------------------------------
 
     async def run_cycle(self) -> Decision | None:
-        from bigfleet.decision import decide
-
         cycle_started = time.perf_counter()
         if time.monotonic() - self._last_reconcile >= self.config.reconcile_interval:
             try:
@@ -187,11 +188,18 @@ class ShardDaemon:
             return None
         engine_cfg = replace(self.config.engine, paused=self.paused, dry_run=self.dry_run)
         now = time.time_ns()
-        table = self.store.table
-        snapshot = tuple(table.snapshot())
+        snapshot = tuple(self.store.table.snapshot())
+        # Immutable inputs (Need and Machine records are frozen; the containers are copies), so the
+        # engine can run on a worker thread while the loop keeps serving sessions.
+        machines = list(self.view.machines())
+        busy = frozenset(self.view.inflight)
+        connected = [n for n in snapshot if self.sessions.get(n.cluster_id) is not None]
         t0 = time.perf_counter()
-        decision = decide(snapshot, self.view, now, self.store.engine_state(), engine_cfg)
-        self.metrics.phase_duration.labels("decide").observe(time.perf_counter() - t0)
+        decision, hints = await asyncio.to_thread(
+            _compute, snapshot, machines, busy, connected, now, self.store.engine_state(), engine_cfg
+        )
+        self._last_compute = time.perf_counter() - t0
+        self.metrics.phase_duration.labels("decide").observe(self._last_compute)
         self.store.save_engine_state(decision.state)
         self.cycles += 1
         self.metrics.cycles.inc()
@@ -200,7 +208,7 @@ class ShardDaemon:
         self.metrics.phase_duration.labels("execute").observe(time.perf_counter() - t1)
         self.metrics.shortfalls.set(len(decision.shortfalls))
         self.last = CycleRecord(self.cycles, now, snapshot, decision)
-        self._emit_availability(snapshot)
+        await self._emit_availability(connected, hints)
         self._update_inventory_gauge()
         self.metrics.cycle_duration.observe(time.perf_counter() - cycle_started)
         if decision.follow_up:
@@ -208,15 +216,16 @@ class ShardDaemon:
         return decision
 
     def _execute(self, decision: Decision) -> None:
-        for a in decision.suppressed:
-            kind = type(a).__name__
-            if decision.mode == "dry_run":
-                self.metrics.actions_dryrun.labels(kind).inc()
-            else:
-                self.metrics.actions_suppressed.labels(kind).inc()
-        orphans = self._orphan_creates()
+        from collections import Counter
+
+        suppressed = Counter(type(a).__name__ for a in decision.suppressed)
+        counter = self.metrics.actions_dryrun if decision.mode == "dry_run" else self.metrics.actions_suppressed
+        for kind, n in suppressed.items():
+            counter.labels(kind).inc(n)
+        for kind, n in Counter(type(a).__name__ for a in decision.actions).items():
+            self.metrics.actions.labels(kind).inc(n)
+        orphans = self._orphan_creates() if decision.actions else 0
         for a in decision.actions:
-            self.metrics.actions.labels(type(a).__name__).inc()
             if isinstance(a, Create) and orphans:
                 # A Create from a previous incarnation (or one we lost track of) is still running:
                 # its machine will be Idle shortly and the engine will hand it out then. Creating
@@ -257,21 +266,14 @@ class ShardDaemon:
                 n += 1
         return n
 
-    def _emit_availability(self, snapshot: tuple[Need, ...]) -> None:
-        if not len(self.sessions):
-            return
+    async def _emit_availability(self, needs: list[Need], hints: dict[Any, availability.Availability]) -> None:
         now = time.monotonic()
-        per_profile: dict[str, Any] = {}
-        machines = list(self.view.all())
-        for need in snapshot:
-            if self.sessions.get(need.cluster_id) is None:
-                continue
-            fp = need.fingerprint
-            a = per_profile.get(fp)
-            if a is None:
-                a = per_profile[fp] = availability_for(need.profile, machines, self.view.inflight)
-            if self.availability.due(need.cluster_id, fp, a, now):
-                self.sessions.send(need.cluster_id, update_message(need, a))
+        for i, need in enumerate(needs):
+            if i % 2000 == 1999:
+                await asyncio.sleep(0)  # long lists must not hold the loop
+            a = hints.get(need.requirements)
+            if a is not None and self.availability.due(need.cluster_id, need.fingerprint, a, now):
+                self.sessions.send(need.cluster_id, availability.update_message(need, a))
 
     def _update_inventory_gauge(self) -> None:
         counts = self.view.counts()
@@ -281,6 +283,9 @@ class ShardDaemon:
             self.metrics.inventory.labels(S.Name(st).removeprefix("MACHINE_STATE_").lower()).set(counts.get(st, 0))
 
     async def cycle_loop(self) -> None:
+        """Cycles every ``cycle_interval`` and soon after a trigger; consecutive cycles are spaced by
+        at least ``min_cycle_gap`` and by the last engine run's duration, so the engine never takes
+        more than about half of the process while roll-ups keep arriving."""
         last_cycle = 0.0
         while not self._stopping.is_set():
             try:
@@ -289,7 +294,7 @@ class ShardDaemon:
                 pass
             if self._stopping.is_set():
                 return
-            gap = self.config.min_cycle_gap - (time.monotonic() - last_cycle)
+            gap = max(self.config.min_cycle_gap, self._last_compute) - (time.monotonic() - last_cycle)
             if gap > 0:
                 await asyncio.sleep(gap)
             self._trigger.clear()
@@ -363,6 +368,17 @@ class ShardDaemon:
         self.metrics.paused.set(1 if paused else 0)
         log.warning("actuation changed", paused=paused, dry_run=dry_run)
         self.trigger()
+
+
+def _compute(
+    snapshot: tuple[Need, ...], machines: list[Any], busy: frozenset[str], connected: list[Need], now: int,
+    state: Any, cfg: EngineConfig,
+) -> tuple[Decision, dict[Any, availability.Availability]]:
+    """The pure part of a cycle (runs on a worker thread)."""
+    from bigfleet.decision import decide
+
+    decision = decide(snapshot, machines, now, state, cfg)
+    return decision, availability.compute(connected, machines, busy)
 
 
 def binding_for_need(n: Need) -> Binding:

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from bigfleet.rpc import insecure_channel
+from bigfleet.rpc import channel_options
 from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.v1alpha1 import provider_pb2, provider_pb2_grpc
 
@@ -57,7 +57,10 @@ class ProviderClient:
         self.shard_id = shard_id
         self.shard_epoch = shard_epoch
         self._metrics = metrics
-        self._channel = insecure_channel(target)
+        # No keepalive pings: calls flow every reconcile anyway, and providers built on default
+        # server settings answer frequent idle pings with GOAWAY "too_many_pings".
+        opts = [o for o in channel_options() if not o[0].startswith("grpc.keepalive")]
+        self._channel = grpc.aio.insecure_channel(target, options=opts)
         self._stub = provider_pb2_grpc.CapacityProviderStub(self._channel)
         self._seq = itertools.count(1)
         self.lifecycle_timeout = lifecycle_timeout

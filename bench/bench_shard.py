@@ -1,0 +1,250 @@
+"""Shard Session load: N operator sessions, each sending a 10-need roll-up every interval, against a
+real `bigfleet shard` process (and a real fake provider), while decision cycles run.
+
+Measures, from the operator side, roll-up → Ack{"rollup"} latency (p50/p99/max), the shard's own
+validate+apply histogram, the shard process's CPU and RSS (total and per session), and cycles run.
+
+    python -m bench.bench_shard --sessions 5000 --interval 10 --duration 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import tempfile
+import time
+import urllib.request
+
+import grpc
+
+from bigfleet.rpc import insecure_channel
+from bigfleet.testing import ManagedProcess, free_port, wait_for_health, wait_until
+from bigfleet.v1alpha1 import capacity_pb2, shard_pb2, shard_pb2_grpc
+
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / CLK
+
+
+def proc_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+ZONES = ("us-east-1a", "us-east-1b", "us-east-1c", "us-central1-a", "us-central1-b")
+
+
+def rollup(cluster: str, i: int, rnd: random.Random) -> capacity_pb2.ClusterCapacityNeeds:
+    needs = []
+    for k in range(10):
+        reqs = [capacity_pb2.NodeSelectorRequirement(
+            key="topology.kubernetes.io/zone", operator=capacity_pb2.NodeSelectorRequirement.OPERATOR_IN,
+            values=[ZONES[k % len(ZONES)]])]
+        # one need changes every time, so the table changes and cycles are triggered
+        cpu = 1000 * (1 + (k % 3)) + (rnd.randrange(4) * 100 if k == 0 else 0)
+        needs.append(capacity_pb2.CapacityNeed(
+            requirements=reqs, aggregate_resources={"cpu": f"{cpu}m", "memory": f"{2 + k % 4}Gi"},
+            priority=(hash(cluster) % 1000) * 10 + k, min_unit={"cpu": "500m", "memory": "1Gi"},
+            interruption_penalty_bucket=capacity_pb2.PENALTY_BUCKET_64))
+    return capacity_pb2.ClusterCapacityNeeds(cluster_id=cluster, timestamp_unix_nanos=time.time_ns(), needs=needs)
+
+
+class Session:
+    def __init__(self, stub: shard_pb2_grpc.ShardStub, cluster: str, interval: float, lat: list[float],
+                 stop: asyncio.Event) -> None:
+        self.stub, self.cluster, self.interval, self.lat, self.stop = stub, cluster, interval, lat, stop
+        self.pending: list[float] = []
+        self.ready = asyncio.Event()
+        self.sent = 0
+        self.frames = 0
+        self.error = ""
+
+    async def run(self, start_delay: float, measure_from: list[float]) -> None:
+        call = self.stub.Session()
+        await call.write(shard_pb2.OperatorMessage(hello=shard_pb2.Hello(cluster_id=self.cluster,
+                                                                          protocol_version="v1alpha1")))
+        reader = asyncio.create_task(self._read(call, measure_from))
+        rnd = random.Random(self.cluster)
+        try:
+            await asyncio.sleep(start_delay)
+            await self._loop(call, rnd)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            self.error = repr(exc)
+        finally:
+            call.cancel()
+            reader.cancel()
+
+    async def _loop(self, call: grpc.aio.StreamStreamCall, rnd: random.Random) -> None:
+        if True:
+            n = 0
+            while not self.stop.is_set():
+                self.pending.append(time.perf_counter())
+                await call.write(shard_pb2.OperatorMessage(rollup=rollup(self.cluster, n, rnd)))
+                self.sent += 1
+                n += 1
+                try:
+                    await asyncio.wait_for(self.stop.wait(), self.interval)
+                except TimeoutError:
+                    pass
+
+    async def _read(self, call: grpc.aio.StreamStreamCall, measure_from: list[float]) -> None:
+        try:
+            async for msg in call:
+                self.frames += 1
+                if msg.WhichOneof("payload") == "ack":
+                    if msg.ack.echo == "hello":
+                        self.ready.set()
+                    elif msg.ack.echo == "rollup" and self.pending:
+                        t0 = self.pending.pop(0)
+                        if measure_from and t0 >= measure_from[0]:
+                            self.lat.append(time.perf_counter() - t0)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass
+
+
+def histogram_quantile(text: str, name: str, q: float) -> float:
+    buckets: list[tuple[float, float]] = []
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
+    if not buckets or buckets[-1][1] == 0:
+        return float("nan")
+    total = buckets[-1][1]
+    for le, c in buckets:
+        if c >= q * total:
+            return le
+    return float("inf")
+
+
+def metric_value(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return float("nan")
+
+
+async def drive(args: argparse.Namespace, shard_addr: str, pid: int, metrics_url: str) -> dict[str, float]:
+    channels = [insecure_channel(shard_addr, [("grpc.use_local_subchannel_pool", 1)]) for _ in range(args.channels)]
+    stubs = [shard_pb2_grpc.ShardStub(ch) for ch in channels]
+    stop = asyncio.Event()
+    lat: list[float] = []
+    measure_from: list[float] = []
+    rss0 = proc_rss_mb(pid)
+    sessions = [Session(stubs[i % len(stubs)], f"bench-{i:05d}", args.interval, lat, stop) for i in range(args.sessions)]
+    t_open = time.perf_counter()
+    tasks = []
+    for i, s in enumerate(sessions):
+        # spread first roll-ups over one interval after all sessions are open
+        tasks.append(asyncio.create_task(s.run(args.interval * (i / args.sessions) + 2.0, measure_from)))
+        if i % 200 == 199:
+            await asyncio.sleep(0.05)
+    deadline = time.monotonic() + 120
+    while not all(s.ready.is_set() for s in sessions):
+        if time.monotonic() > deadline:
+            ready = sum(s.ready.is_set() for s in sessions)
+            errs = [s.error for s in sessions if s.error][:3]
+            raise RuntimeError(f"only {ready}/{len(sessions)} sessions acknowledged Hello; errors: {errs}")
+        await asyncio.sleep(0.1)
+    open_s = time.perf_counter() - t_open
+    await asyncio.sleep(1.0)
+    cpu_idle0, rss_open = proc_cpu_seconds(pid), proc_rss_mb(pid)
+    await asyncio.sleep(2.0)
+    cpu_idle = (proc_cpu_seconds(pid) - cpu_idle0) / 2.0
+    # warm-up: one full interval of roll-ups, then measure
+    await asyncio.sleep(args.interval)
+    measure_from.append(time.perf_counter())
+    cpu_m0, t_m0 = proc_cpu_seconds(pid), time.perf_counter()
+    text0 = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    await asyncio.sleep(args.duration)
+    text1 = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    cpu_m1, t_m1 = proc_cpu_seconds(pid), time.perf_counter()
+    rss_load = proc_rss_mb(pid)
+    stop.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for ch in channels:
+        await ch.close()
+    lat.sort()
+    n = len(lat)
+    errors = [s.error for s in sessions if s.error]
+    cycles = metric_value(text1, "bigfleet_shard_cycles_total") - metric_value(text0, "bigfleet_shard_cycles_total")
+    return {
+        "sessions": args.sessions,
+        "open_seconds": open_s,
+        "rollups_measured": n,
+        "rollups_per_s": n / (t_m1 - t_m0),
+        "p50_ms": lat[n // 2] * 1000 if n else float("nan"),
+        "p99_ms": lat[min(n - 1, int(n * 0.99))] * 1000 if n else float("nan"),
+        "max_ms": lat[-1] * 1000 if n else float("nan"),
+        "mean_ms": statistics.fmean(lat) * 1000 if n else float("nan"),
+        "server_handle_p99_ms_le": histogram_quantile(text1, "bigfleet_shard_rollup_handle_seconds", 0.99) * 1000,
+        "cycles": cycles,
+        "cycle_p50_s_le": histogram_quantile(text1, "bigfleet_shard_cycle_duration_seconds", 0.5),
+        "cycle_p99_s_le": histogram_quantile(text1, "bigfleet_shard_cycle_duration_seconds", 0.99),
+        "shard_cpu_idle_cores": cpu_idle,
+        "shard_cpu_load_cores": (cpu_m1 - cpu_m0) / (t_m1 - t_m0),
+        "shard_rss_start_mb": rss0,
+        "shard_rss_open_mb": rss_open,
+        "shard_rss_load_mb": rss_load,
+        "rss_per_session_kb": (rss_open - rss0) * 1024 / args.sessions,
+        "sessions_failed": len(errors),
+        "cpu_ms_per_rollup": (cpu_m1 - cpu_m0) * 1000 / n if n else float("nan"),
+    }
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="bench_shard")
+    p.add_argument("--sessions", type=int, default=int(os.environ.get("BENCH_SHARD_SESSIONS", "5000")))
+    p.add_argument("--interval", type=float, default=10.0, help="seconds between a session's roll-ups")
+    p.add_argument("--duration", type=float, default=float(os.environ.get("BENCH_SHARD_DURATION", "30")))
+    p.add_argument("--channels", type=int, default=8)
+    p.add_argument("--machines", type=int, default=5000, help="speculative slots at the fake provider")
+    p.add_argument("--committed", type=int, default=1000, help="idle committed hosts at the fake provider")
+    p.add_argument("--actuate", action="store_true", help="execute actions (default: --dry-run, cycles still run)")
+    p.add_argument("--cycle-interval", type=float, default=10.0)
+    args = p.parse_args(argv)
+
+    logdir = tempfile.mkdtemp(prefix="bench-shard-")
+    paddr = f"127.0.0.1:{free_port()}"
+    prov = ManagedProcess.bigfleet(["fake-provider", "--listen", paddr, "--seed-count", str(args.machines),
+                                    "--committed-count", str(args.committed), "--log-level", "warning"], "provider",
+                                   log_dir=__import__("pathlib").Path(logdir)).start()
+    saddr = f"127.0.0.1:{free_port()}"
+    maddr = f"127.0.0.1:{free_port()}"
+    shard_args = ["shard", "--shard-id", "bench", "--listen", saddr, "--provider", paddr, "--metrics-listen", maddr,
+                  "--data-dir", logdir, "--cycle-interval", str(args.cycle_interval), "--log-level", "warning"]
+    if not args.actuate:
+        shard_args.append("--dry-run")
+    try:
+        wait_for_health(paddr, 60)
+        shard = ManagedProcess.bigfleet(shard_args, "shard", log_dir=__import__("pathlib").Path(logdir)).start()
+        try:
+            wait_for_health(saddr, 60)
+            wait_until(lambda: urllib.request.urlopen(f"http://{maddr}/metrics", timeout=2).read(), 30, what="metrics")
+            res = asyncio.run(drive(args, saddr, shard.pid, f"http://{maddr}/metrics"))
+        finally:
+            shard.stop()
+    finally:
+        prov.stop()
+    print("| metric | value |\n|---|---|")
+    for k, v in res.items():
+        print(f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |")
+    print(f"\n(mode: {'actuate' if args.actuate else 'dry-run'}, machines {args.machines}+{args.committed}, "
+          f"interval {args.interval}s, duration {args.duration}s, logs {logdir})")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))
