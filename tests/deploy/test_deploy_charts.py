@@ -206,6 +206,8 @@ def test_shard_replica_groups_are_separate_raft_groups(tmp_path: Path) -> None:
         assert _flag(argv, "coordinator") == "fleet-coordinator.bigfleet-system.svc.k8s.internal:7790"
         assert "--dry-run" in argv and "--paused" in argv
         assert _flag(argv, "cycle-interval") == "5"
+        assert _flag(argv, "reclaim-cap-fraction") == "0.1"
+        assert "--no-empty-rollup-guard" in argv
         assert _flag(argv, "tls-cert") == "/etc/bigfleet/tls/tls.crt"
         sts = find(docs, "StatefulSet", f"fleet-shard-{i}")
         secret = next(v for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls")
@@ -229,7 +231,8 @@ def test_single_replica_shard_runs_without_raft_and_defaults_stay_quiet() -> Non
     assert shard.script is None
     assert not any(f.startswith("--raft") or f == "--replica-id" for f in shard.flags())
     assert "--dry-run" not in shard.args and "--paused" not in shard.args
-    assert not any(a.startswith(("--cycle-interval", "--bootstrap-timeout")) for a in shard.args)
+    assert not any(a.startswith(("--cycle-interval", "--bootstrap-timeout", "--reclaim-cap")) for a in shard.args)
+    assert "--no-empty-rollup-guard" not in shard.args
     assert _flag(shard.args, "provider") == "bigfleet-fake-provider.bigfleet-system.svc.cluster.local:7800"
     assert "fake-provider" in by_sub
     assert not [d for d in docs if d["kind"] == "PodDisruptionBudget" and "shard" in d["metadata"]["name"]]
@@ -423,6 +426,7 @@ def test_rendered_flags_are_accepted_by_the_daemon(subcommand: str, group: str) 
         ("bigfleet", {"shard": {"replicaPerShard": 3}}),  # typo
         ("bigfleet", {"coordinator": {"replicas": "3"}}),  # wrong type
         ("bigfleet", {"shard": {"cycleInterval": "5s"}}),  # the daemon takes seconds
+        ("bigfleet", {"shard": {"reclaimCapFraction": 5}}),  # a fraction, not a percentage
         ("bigfleet", {"sharding": {}}),  # unknown top-level key
         ("bigfleet", {"image": {"pullPolicy": "Sometimes"}}),
         ("bigfleet-operator", {"clusterID": "a", "shardAddress": "s:1", "leaderElection": {"enable": True}}),
