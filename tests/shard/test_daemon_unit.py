@@ -1,0 +1,140 @@
+"""The daemon's boundary logic in-process (no provider calls succeed here): roll-up ingest with the
+guard and all-or-nothing validation, the machine view's routing and stickiness, and the rails the
+shard enforces on the engine's actions (first-roll-up gate, in-flight dedupe, applicability)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from bigfleet.decision import Decision, Drain, EngineState, PhaseStats
+from bigfleet.machine import META_NEED_FINGERPRINT
+from bigfleet.observability import new_registry
+from bigfleet.shard.daemon import DaemonConfig, ShardDaemon
+from bigfleet.shard.executor import ExecutorConfig
+from bigfleet.shard.metrics import ShardMetrics
+from bigfleet.shard.view import MachineView
+from bigfleet.testing import free_port
+from bigfleet.v1alpha1 import capacity_pb2, provider_pb2, shard_pb2
+
+from .opsim import need
+
+S = provider_pb2.MachineState
+
+
+def machine(mid: str, state: int, cluster: str = "", price: float = 0.1) -> provider_pb2.Machine:
+    pb = provider_pb2.Machine(id=mid, state=state, instance_type="m5.2xlarge", zone="us-east-1a",  # type: ignore[arg-type]
+                              price_per_hour=price, cluster=cluster,
+                              labels={"topology.kubernetes.io/zone": "us-east-1a"})
+    pb.resources.resources.update({"cpu": "8", "memory": "32Gi"})
+    if state != S.MACHINE_STATE_SPECULATIVE:
+        pb.host.provider, pb.host.ref = "fake", f"host-{mid}"
+    if cluster:
+        pb.shard_metadata[META_NEED_FINGERPRINT] = "fp"
+    return pb
+
+
+@pytest.fixture
+async def daemon() -> AsyncIterator[ShardDaemon]:
+    cfg = DaemonConfig(shard_id="s1", provider=f"127.0.0.1:{free_port()}", epoch=3,
+                       executor=ExecutorConfig(execute_timeout=0.5))
+    d = ShardDaemon(cfg, ShardMetrics(new_registry()))
+    d.provider.lifecycle_timeout = 0.3
+    try:
+        yield d
+    finally:
+        await d.stop(drain_timeout=0.2)
+
+
+def rollup(cluster: str, needs: list[capacity_pb2.CapacityNeed]) -> capacity_pb2.ClusterCapacityNeeds:
+    return capacity_pb2.ClusterCapacityNeeds(cluster_id=cluster, needs=needs)
+
+
+async def test_rollup_validation_is_all_or_nothing(daemon: ShardDaemon) -> None:
+    ok = await daemon.handle_rollup("c1", rollup("c1", [need("1"), need("2", priority=7)]))
+    assert ok.accepted
+    before = daemon.store.table.cluster("c1")
+    bad = need("1")
+    bad.min_unit["cpu"] = "-3"
+    out = await daemon.handle_rollup("c1", rollup("c1", [need("5"), bad]))
+    assert not out.accepted and "min_unit" in out.error
+    assert daemon.store.table.cluster("c1") == before
+    assert daemon.metrics.rollups_rejected.labels("c1")._value.get() == 1
+    # An empty cluster_id in the roll-up means the session's cluster.
+    assert (await daemon.handle_rollup("c2", rollup("", [need("1")]))).accepted
+    assert len(daemon.store.table.cluster("c2")) == 1
+
+
+async def test_empty_rollup_guard_holds_a_collapse(daemon: ShardDaemon) -> None:
+    many = [need("1", priority=p) for p in range(12)]
+    assert (await daemon.handle_rollup("c1", rollup("c1", many))).accepted
+    for _ in range(2):
+        held = await daemon.handle_rollup("c1", rollup("c1", []))
+        assert held.quarantined and not held.accepted
+        assert len(daemon.store.table.cluster("c1")) == 12
+    assert (await daemon.handle_rollup("c1", rollup("c1", []))).accepted
+    assert daemon.store.table.cluster("c1") == ()
+    assert daemon.store.has_rolled_up("c1")
+
+
+async def test_reclaim_waits_for_first_rollup_and_dedupes(daemon: ShardDaemon) -> None:
+    daemon.view.set(machine("m1", S.MACHINE_STATE_CONFIGURED, "c1"))
+    d = Decision(actions=(Drain("m1", "c1", 600, 0, "reclaim"),), shortfalls=(), verdicts=(), stats=PhaseStats(),
+                 state=EngineState())
+    daemon._execute(d)
+    assert "m1" not in daemon.view.inflight  # gated: c1 has not spoken since start
+    assert daemon.view.get("m1").state == S.MACHINE_STATE_CONFIGURED  # type: ignore[union-attr]
+    daemon.store.mark_first_rollup("c1")
+    daemon._execute(d)
+    assert daemon.view.inflight.get("m1") == "Reclaim"
+    assert daemon.view.get("m1").state == S.MACHINE_STATE_DRAINING  # type: ignore[union-attr]
+    daemon._execute(d)  # same machine again: deduped, not a second drain
+    assert daemon.metrics.actions_deduped._value.get() == 1
+    # A preempt is never gated (the preemptor's demand is live).
+    daemon.view.set(machine("m2", S.MACHINE_STATE_CONFIGURED, "c9"))
+    daemon._execute(Decision(actions=(Drain("m2", "c9", 10, 1_000_000, "preempt"),), shortfalls=(), verdicts=(),
+                             stats=PhaseStats(), state=EngineState()))
+    assert daemon.view.inflight.get("m2") == "Preempt"
+
+
+async def test_failed_transition_ends_failed_with_error(daemon: ShardDaemon) -> None:
+    daemon.view.set(machine("m1", S.MACHINE_STATE_IDLE))
+    assert daemon.executor.submit_delete("m1")
+    await daemon.executor.drain_all(10)
+    pb = daemon.view.get("m1")
+    assert pb is not None and pb.state == S.MACHINE_STATE_FAILED
+    assert pb.last_error.startswith("Delete:")
+    assert "m1" not in daemon.view.inflight
+    # FAILED is sticky: the provider's (older) record does not resurrect it.
+    daemon.view.observe(machine("m1", S.MACHINE_STATE_IDLE))
+    assert daemon.view.get("m1").state == S.MACHINE_STATE_FAILED  # type: ignore[union-attr]
+    # Actions for a FAILED machine are not applicable.
+    assert not daemon.executor.submit_delete("m1")
+
+
+def test_view_routes_updates_and_rejects_bad_records() -> None:
+    sent: list[tuple[str, shard_pb2.ShardMessage]] = []
+    rejected: list[str] = []
+    v = MachineView(on_node_update=lambda c, m: sent.append((c, m)), on_reject=rejected.append)
+    assert v.set(machine("m1", S.MACHINE_STATE_IDLE))
+    assert sent == []  # unbound: nobody to tell
+    assert v.set(machine("m1", S.MACHINE_STATE_CONFIGURED, "c1"))
+    assert v.set(machine("m1", S.MACHINE_STATE_CONFIGURED, "c1"))  # unchanged: no duplicate update
+    assert v.set(machine("m1", S.MACHINE_STATE_IDLE))  # drained: goes to the cluster it left
+    assert [(c, m.node_state_update.state) for c, m in sent] == [
+        ("c1", S.MACHINE_STATE_CONFIGURED), ("c1", S.MACHINE_STATE_IDLE)]
+    u = sent[0][1].node_state_update
+    assert u.supersedes_key == "node:m1" and u.node_name == "m1" and u.provider_id == "host-m1"
+    assert u.labels["node.kubernetes.io/instance-type"] == "m5.2xlarge"
+    # a record with a NaN price is rejected, the last good one kept
+    assert not v.set(machine("m1", S.MACHINE_STATE_IDLE, price=float("nan")))
+    assert rejected == ["price"]
+    assert v.get("m1").price_per_hour == 0.1  # type: ignore[union-attr]
+    # a machine being created for a cluster is routed there before it carries the cluster
+    v.reserved_for["m2"] = "c2"
+    assert v.set(machine("m2", S.MACHINE_STATE_CREATING))
+    assert sent[-1][0] == "c2"
+    m2 = v.machine("m2")
+    assert m2 is not None and m2.cluster == "c2"  # the engine sees the reservation
+    assert [p.id for p in v.bound_to("c2")] == ["m2"]
