@@ -14,6 +14,7 @@ from itertools import compress, islice, repeat
 from operator import attrgetter
 from typing import Any
 
+from bigfleet.machine.inventory import Inventory
 from bigfleet.machine.record import Machine
 from bigfleet.machine.state import CapacityType, MachineState
 from bigfleet.needs import EMPTY, Need, NeedsTable, Operator, Profile, Requirement, Resources, TopologySpread
@@ -868,8 +869,11 @@ class Engine:
         self._ix: Index | None = None
         self._src: Any = None
         self._gen: int | None = None
-        self._pyids: set[int] = set()
         self._objs: dict[int, Machine] = {}
+        self._by_mid: dict[str, Machine] = {}
+        self._since_full = 0
+        #: every this many syncs the inventory is diffed in full instead of by its changed tail
+        self.full_diff_every = 16
         self._cache: dict[str, _ClusterCache] = {}
         self._cdims: dict[str, tuple[tuple[Need, ...], frozenset[str]]] = {}
         self.last_index_changes = 0
@@ -884,28 +888,65 @@ class Engine:
         ms: Any = inventory.machines() if hasattr(inventory, "machines") else list(inventory)
         if self._ix is None:
             return self._rebuild(inventory, ms, gen)
+        self._since_full += 1
+        if (isinstance(inventory, Inventory) and inventory is self._src
+                and self._since_full < self.full_diff_every and self._tail_sync(ms)):
+            self._gen = gen
+            return self._ix
+        self._since_full = 0
         now_ids = set(map(id, ms))
-        removed = self._pyids - now_ids
-        added = now_ids - self._pyids
+        removed = self._objs.keys() - now_ids
+        added = now_ids - self._objs.keys()
         if len(removed) + len(added) > max(1000, len(now_ids) // 4):
             return self._rebuild(inventory, ms, gen)
         ix = self._ix
         for pid in removed:
-            remove_machine(ix, self._objs.pop(pid))
+            old = self._objs.pop(pid)
+            remove_machine(ix, old)
+            if self._by_mid.get(old.id) is old:
+                del self._by_mid[old.id]
         if added:
             for m in compress(ms, map(added.__contains__, map(id, ms))):
                 add_machine(ix, m)
                 self._objs[id(m)] = m
-        self._pyids = now_ids
+                self._by_mid[m.id] = m
         self._src, self._gen = inventory, gen
         self.last_index_changes = len(removed) + len(added)
         return ix
+
+    def _tail_sync(self, ms: Any) -> bool:
+        """O(changes) sync for `bigfleet.machine.Inventory`, whose every write re-inserts the record at
+        the end of its (insertion-ordered) table: new records are exactly the tail that is not in the
+        baseline. Returns False (caller does a full diff) when the counts do not add up, e.g. after a
+        removal; a periodic full diff (`full_diff_every`) guards against anything else."""
+        objs = self._objs
+        added: list[Machine] = []
+        for m in reversed(ms):
+            if id(m) in objs:
+                break
+            added.append(m)
+        by_mid = self._by_mid
+        replaced = [old for m in added if (old := by_mid.get(m.id)) is not None]
+        if len(ms) != len(objs) - len(replaced) + len(added) or len({m.id for m in added}) != len(added):
+            return False
+        ix = self._ix
+        assert ix is not None
+        for old in replaced:
+            del objs[id(old)]
+            remove_machine(ix, old)
+        for m in reversed(added):
+            objs[id(m)] = m
+            by_mid[m.id] = m
+            add_machine(ix, m)
+        self.last_index_changes = len(added) + len(replaced)
+        return True
 
     def _rebuild(self, inventory: Any, ms: Any, gen: int | None) -> Index:
         ix = build_index(ms)
         # Holding every record keeps its id() from being reused while it is in the diff baseline.
         self._objs = {id(m): m for m in ms}
-        self._pyids = set(self._objs)
+        self._by_mid = {m.id: m for m in ms}
+        self._since_full = 0
         self._ix = ix
         self._src, self._gen = inventory, gen
         self._cache.clear()

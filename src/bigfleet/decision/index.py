@@ -15,6 +15,7 @@ import bisect
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from bigfleet.machine.record import Machine, MachineShape
@@ -136,56 +137,84 @@ def build_index(machines: Iterable[Machine]) -> Index:
     ix.classes = classes
     pool = ix.pool
     bound = ix.bound
+    idle_s, spec_s, conf_s, cing_s, crea_s = S.IDLE, S.SPECULATIVE, S.CONFIGURED, S.CONFIGURING, S.CREATING
     for c in classes:
         ci = c.idx
-        ctype = int(c.capacity_type)
+        by_state: dict[MachineState, list[Machine]] = {}
         for m in shapes[c.shape]:
-            st = m.state
-            if st is S.IDLE:
-                fp = m.assignment.need_fingerprint
-                if fp:
-                    ix.reserved_idle.setdefault(fp, []).append(m)
-                ix.free_count[ci] = ix.free_count.get(ci, 0) + 1
-                lst = pool.get((IDLE, ci))
-                if lst is None:
-                    pool[(IDLE, ci)] = [m]
-                else:
-                    lst.append(m)
-                ix.idle_by_type.setdefault(ctype, []).append(m)
-            elif st is S.SPECULATIVE:
-                lst = pool.get((SPEC, ci))
-                if lst is None:
-                    pool[(SPEC, ci)] = [m]
-                else:
-                    lst.append(m)
-                ix.free_count[ci] = ix.free_count.get(ci, 0) + 1
-            elif st is S.CONFIGURED or st is S.CONFIGURING:
-                cluster = m.cluster
-                if cluster:
-                    bound.setdefault(cluster, {}).setdefault(int(st), {}).setdefault(ci, []).append(m)
-                if st is S.CONFIGURED:
-                    ix.configured_by_class.setdefault(ci, []).append(m)
+            lst = by_state.get(m.state)
+            if lst is None:
+                by_state[m.state] = [m]
+            else:
+                lst.append(m)
+        free = 0
+        for st, group in by_state.items():
+            if st is idle_s:
+                pool[(IDLE, ci)] = group
+                ix.idle_by_type.setdefault(int(c.capacity_type), []).extend(group)
+                for m in group:
+                    fp = m.assignment.need_fingerprint
+                    if fp:
+                        ix.reserved_idle.setdefault(fp, []).append(m)
+                free += len(group)
+            elif st is spec_s:
+                pool[(SPEC, ci)] = group
+                free += len(group)
+            elif st is conf_s or st is cing_s:
+                sti = int(st)
+                for m in group:
+                    cluster = m.cluster
                     if cluster:
-                        ix.configured_count[cluster] = ix.configured_count.get(cluster, 0) + 1
-            elif st is S.CREATING:
-                fp = m.assignment.need_fingerprint
-                if fp:
-                    ix.creating.setdefault(fp, []).append(m)
+                        cb = bound.get(cluster)
+                        if cb is None:
+                            cb = bound[cluster] = {}
+                        sb = cb.get(sti)
+                        if sb is None:
+                            sb = cb[sti] = {}
+                        lst = sb.get(ci)
+                        if lst is None:
+                            sb[ci] = [m]
+                        else:
+                            lst.append(m)
+                if st is conf_s:
+                    ix.configured_by_class[ci] = group
+                    cc = ix.configured_count
+                    for m in group:
+                        if m.cluster:
+                            cc[m.cluster] = cc.get(m.cluster, 0) + 1
+            elif st is crea_s:
+                for m in group:
+                    fp = m.assignment.need_fingerprint
+                    if fp:
+                        ix.creating.setdefault(fp, []).append(m)
+        if free:
+            ix.free_count[ci] = free
     for lst in pool.values():
-        lst.sort(key=pool_key)
-    for by_state in bound.values():
-        for by_class in by_state.values():
-            for lst in by_class.values():
-                lst.sort(key=keep_key)
-    for lst in ix.creating.values():
-        lst.sort(key=id_key)
-    for lst in ix.reserved_idle.values():
-        lst.sort(key=id_key)
+        _sort(lst, pool_key)
+    for cb in bound.values():
+        for sb in cb.values():
+            for lst in sb.values():
+                _sort(lst, keep_key)
+    for group_map in (ix.creating, ix.reserved_idle, ix.idle_by_type):
+        for lst in group_map.values():
+            lst.sort(key=_ID)
     for lst in ix.configured_by_class.values():
-        lst.sort(key=id_key)
-    for lst in ix.idle_by_type.values():
-        lst.sort(key=id_key)
+        lst.sort(key=_ID)
     return ix
+
+
+_ID = attrgetter("id")
+_RECL = attrgetter("assignment.reclamation_penalty_dollars")
+
+
+def _sort(lst: list[Machine], key: Callable[[Machine], Any]) -> None:
+    """Sort by `key`; when every reclamation penalty is equal that is plain id order (C-level key)."""
+    if len(lst) > 1:
+        first = _RECL(lst[0])
+        if all(r == first for r in map(_RECL, lst)) and first == first:
+            lst.sort(key=_ID)
+        else:
+            lst.sort(key=key)
 
 
 def _insort(lst: list[Machine], m: Machine, key: Callable[[Machine], Any]) -> None:
