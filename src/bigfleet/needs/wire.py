@@ -118,8 +118,33 @@ def _bucket(raw: int, field: str) -> PenaltyBucket:
     return PenaltyBucket(raw)
 
 
+# Operators resend the same profiles every 10 s: remember validated Profiles by their raw wire content
+# (bounded; cleared when full) so a steady-state roll-up skips validation, sorting and hashing.
+_PROFILE_CACHE: dict[tuple[object, ...], Profile] = {}
+_PROFILE_CACHE_MAX = 50_000
+
+
 def profile_from_proto(pb: capacity_pb2.CapacityNeed, field: str = "") -> Profile:
     """The aggregation key of a `CapacityNeed` (everything but the resource vectors)."""
+    key = (
+        tuple((r.key, r.operator, tuple(r.values)) for r in pb.requirements),
+        tuple((s.topology_key, s.max_skew, s.when_unsatisfiable) for s in pb.spread),
+        pb.priority,
+        pb.interruption_penalty_bucket,
+        pb.reclamation_penalty_bucket,
+        pb.group,
+    )
+    hit = _PROFILE_CACHE.get(key)
+    if hit is not None:
+        return hit
+    profile = _profile_from_proto(pb, field)
+    if len(_PROFILE_CACHE) >= _PROFILE_CACHE_MAX:
+        _PROFILE_CACHE.clear()
+    _PROFILE_CACHE[key] = profile
+    return profile
+
+
+def _profile_from_proto(pb: capacity_pb2.CapacityNeed, field: str) -> Profile:
     reqs = requirements_from_proto(pb.requirements, _join(field, "requirements"))
     if len(pb.spread) > MAX_SPREADS:
         raise ValidationError(_join(field, "spread"), f"more than {MAX_SPREADS} spread terms")
