@@ -326,9 +326,8 @@ class KubeTestServer:
                 if ev is None:
                     break
                 await resp.write(json.dumps({"type": ev.type, "object": ev.obj}).encode() + b"\n")
-        except (ConnectionResetError, asyncio.CancelledError):
-            self.store.unwatch(watcher)
-            raise
+        except ConnectionResetError:
+            return resp  # the client went away (aiohttp's ClientConnectionResetError is one of these)
         finally:
             self.store.unwatch(watcher)
         with contextlib.suppress(ConnectionResetError):
