@@ -251,7 +251,15 @@ def machine_from_proto(
         ))
         it.remember("shape-raw", raw, shape)
     md = pb.shard_metadata
-    assignment = decode_shard_metadata(md).apply_to(NO_ASSIGNMENT) if md else NO_ASSIGNMENT
+    assignment = NO_ASSIGNMENT
+    if md:
+        # Machines serving one need carry identical stamps: decode each distinct set once.
+        akey = tuple(md.get(k) for k in WELL_KNOWN_METADATA_KEYS)
+        cached: Assignment | None = it.lookup("metadata", akey)
+        if cached is None:
+            cached = decode_shard_metadata(md).apply_to(NO_ASSIGNMENT)
+            it.remember("metadata", akey, cached)
+        assignment = cached
     node = labels.get(HOSTNAME_LABEL) or md.get(META_NODE_NAME, "")
     if len(node) > MAX_TEXT_LEN or not node.isprintable():
         node = ""  # like any malformed metadata value: skipped, not fatal
