@@ -7,6 +7,7 @@ nondeterminism. See docs/decision-engine.md for the rules and every deliberate d
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -56,6 +57,7 @@ from .types import (
 
 Vec = tuple[int, ...]
 _ID = attrgetter("id")
+_RECL = attrgetter("assignment.reclamation_penalty_dollars")
 _CONFIGURED_STATE = MachineState.CONFIGURED
 
 
@@ -385,11 +387,14 @@ def _keep_stream(cy: _Cycle, n: _N, state: int, lists: list[tuple[MClass, list[M
                 yield c, m
             i += 1
         return
-    items = [(c.price, -m_reclamation(m), m.id, c, m) for c, lst in lists for m in lst if m.id not in claim]
-    items.sort(key=lambda t: (t[0], t[1], t[2]))
+    # keep order across classes: price asc, reclamation desc, then class, then id (a class's run of
+    # equal-value machines stays contiguous, which is what lets `_credit_plain` credit it in bulk)
+    items = [(c.price, -m_reclamation(m), c.sort_key, m.id, c, m) for c, lst in lists for m in lst
+             if m.id not in claim]
+    items.sort(key=lambda t: (t[0], t[1], t[2], t[3]))
     for t in items:
-        if t[4].id not in claim:
-            yield t[3], t[4]
+        if t[5].id not in claim:
+            yield t[4], t[5]
 
 
 def _credit_plain(cy: _Cycle, n: _N) -> None:
@@ -397,8 +402,21 @@ def _credit_plain(cy: _Cycle, n: _N) -> None:
         if not any(n.remaining):
             return
         lists = _bound_lists(cy, n, state)
-        if len(lists) == 1 and _bulk_hold(cy, n, state, lists[0][0], lists[0][1]):
-            continue
+        if len(lists) == 1:
+            if _bulk_hold(cy, n, state, lists[0][0], lists[0][1]):
+                continue
+        elif lists and all(_RECL(lst[0]) == _RECL(lst[-1]) for _, lst in lists):
+            # every class has one reclamation value: keep order is class after class
+            ordered = sorted(lists, key=lambda t: (t[0].price, -_RECL(t[1][0]), t[0].sort_key))
+            clean = True
+            for c, lst in ordered:
+                if not any(n.remaining):
+                    break
+                if not _bulk_hold(cy, n, state, c, lst):
+                    clean = False
+                    break
+            if clean:
+                continue
         for c, m in _keep_stream(cy, n, state, lists):
             if not any(n.remaining):
                 return
@@ -960,10 +978,19 @@ class Engine:
                ) -> Decision:
         """See `decide`."""
         self.last_phase_seconds = {}
-        self._mark("start")
-        ix = self._sync(inventory)
-        self._mark("index")
-        return self._decide(ix, _by_cluster(needs), now_unix_nanos, state, config, reservations or {})
+        # A cycle allocates many short-lived objects next to a heap of ~10^6 long-lived records; the
+        # cyclic collector would rescan that heap over and over. Nothing here makes reference
+        # cycles, so pause it for the duration (reference counting still frees everything).
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._mark("start")
+            ix = self._sync(inventory)
+            self._mark("index")
+            return self._decide(ix, _by_cluster(needs), now_unix_nanos, state, config, reservations or {})
+        finally:
+            if was_enabled:
+                gc.enable()
 
     def _mark(self, phase: str) -> None:
         if self._clock is None:
