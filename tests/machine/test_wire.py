@@ -267,3 +267,20 @@ def test_node_name_from_hostname_label_or_metadata() -> None:
     assert pb.shard_metadata[META_NODE_NAME] == "learned"
     pb = machine_to_proto(m.replace(node_name="h", labels={HOSTNAME_LABEL: "h"}))
     assert META_NODE_NAME not in pb.shard_metadata  # the provider already reports it
+
+
+def test_separate_interners_build_equal_machines() -> None:
+    from bigfleet.machine import Interner
+
+    a = machine_from_proto(pb_machine(), interner=Interner())
+    b = machine_from_proto(pb_machine(), interner=Interner())
+    assert a == b and a.shape is not b.shape
+    c = machine_from_proto(pb_machine())
+    d = machine_from_proto(pb_machine())
+    assert c == a and c.shape is d.shape and c.assignment is d.assignment
+
+
+def test_invalid_labels_are_rejected_every_time() -> None:
+    for _ in range(2):
+        with pytest.raises(ValidationError):
+            machine_from_proto(pb_machine(labels={"pool": "v" * 64}))
