@@ -41,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--join-addr", default="", help="coordinator gRPC address(es) to ask for Raft membership")
     p.add_argument("--raft-election-min", type=float, default=0.3)
     p.add_argument("--raft-election-max", type=float, default=0.6)
+    try:
+        from bigfleet.security.tls import add_tls_arguments
+
+        add_tls_arguments(p)
+    except ImportError:  # pragma: no cover - security package always ships
+        pass
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", default="json", choices=["json", "console"])
     return p
@@ -74,7 +80,11 @@ def _password(args: argparse.Namespace) -> str:
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "restore":
         return _restore_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from bigfleet.security.tls import tls_from_args_or_exit
+
+    tls = tls_from_args_or_exit(parser, args)
     configure_logging(args.log_level, args.log_format, component="coordinator")
     log = get_logger("coordinator")
     password = _password(args)
@@ -106,6 +116,7 @@ def main(argv: list[str]) -> int:
         join_addr=args.join_addr,
         raft_election_min=args.raft_election_min,
         raft_election_max=args.raft_election_max,
+        tls=tls,
     )
 
     async def run() -> None:

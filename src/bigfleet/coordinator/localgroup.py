@@ -7,7 +7,7 @@ from pathlib import Path
 
 import grpc
 
-from bigfleet.testing import ManagedProcess, free_port, wait_until
+from bigfleet.testing import ManagedProcess, free_port, wait_for_health, wait_until
 from bigfleet.v1alpha1 import coordinator_pb2 as pb
 from bigfleet.v1alpha1 import coordinator_pb2_grpc as pbg
 
@@ -56,9 +56,16 @@ class CoordGroup:
         self.procs[i] = p
         return p
 
-    def start_all(self) -> None:
+    def start_all(self, wait: bool = True) -> None:
         for i in range(self.n):
             self.start(i)
+        if wait:
+            self.wait_up()
+
+    def wait_up(self, timeout: float = 30.0) -> None:
+        """Every started replica answers gRPC health (its server is listening)."""
+        for i in self.alive():
+            wait_for_health(self.addr(i), timeout=timeout)
 
     def kill(self, i: int) -> None:
         p = self.procs[i]

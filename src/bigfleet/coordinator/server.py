@@ -82,6 +82,9 @@ class CoordinatorConfig:
     join_addr: str = ""
     raft_election_min: float = 0.3
     raft_election_max: float = 0.6
+    # bigfleet.security.tls.TLSConfig: mTLS for the gRPC server and the join client
+    # (the replicas' certificate carries bigfleet://admin). None = plaintext.
+    tls: Any = None
 
     @property
     def raft_address(self) -> str:
@@ -158,11 +161,15 @@ class CoordinatorDaemon:
                 election_max=cfg.raft_election_max,
             )
         )
-        self.server, self._health = new_server()
+        from bigfleet.security.roles import COORDINATOR_POLICY, RoleInterceptor
+        from bigfleet.security.tls import add_port
+
+        # Roles per protocols.md §5.3 (shards report only as themselves, admin for
+        # mutations, readonly|admin for reads); over plaintext every check passes.
+        roles = RoleInterceptor(COORDINATOR_POLICY, registry=self.metrics.registry, component="coordinator")
+        self.server, self._health = new_server(interceptors=[roles])
         pbg.add_CoordinatorServicer_to_server(CoordinatorService(self), self.server)
-        self.port = self.server.add_insecure_port(cfg.listen)
-        if self.port == 0:
-            raise RuntimeError(f"cannot listen on {cfg.listen}")
+        self.port = add_port(self.server, cfg.listen, cfg.tls)
         await self.server.start()
         await self._health.set("", SERVING)
         await self._health.set(SERVICE_NAME, NOT_SERVING)
@@ -404,7 +411,7 @@ class CoordinatorDaemon:
         from bigfleet.coordinator.client import CoordinatorClient
 
         delay = 1.0
-        client = CoordinatorClient([a for a in self.cfg.join_addr.split(",") if a])
+        client = CoordinatorClient([a for a in self.cfg.join_addr.split(",") if a], tls=self.cfg.tls)
         try:
             while self.r().leader() is None:
                 try:
