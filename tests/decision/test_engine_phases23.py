@@ -455,3 +455,17 @@ def test_pinned_penalties_never_nan() -> None:
     d = run([need("c", 2, prof)], ms)
     assert [a.machine_id for a in d.actions] == ["od", "free"]
     assert all(isinstance(a, Drain) is False for a in d.actions)
+
+
+def test_fast_built_records_equal_normal_construction() -> None:
+    import dataclasses
+
+    from bigfleet.decision import Configure, Verdict
+
+    d = run([need("c", 2), need("d", 9, profile(5))], [machine("i0"), machine("i1"), machine("i2")])
+    for obj in list(d.verdicts) + list(d.actions):
+        cls = type(obj)
+        rebuilt = cls(**{f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)})
+        assert rebuilt == obj and hash(repr(rebuilt)) == hash(repr(obj))
+        assert set(vars(obj)) == {f.name for f in dataclasses.fields(cls)}
+    assert any(isinstance(a, Configure) for a in d.actions) and all(isinstance(v, Verdict) for v in d.verdicts)

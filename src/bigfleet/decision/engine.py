@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import compress, islice, repeat
 from operator import attrgetter
-from typing import Any
+from typing import Any, TypeVar
 
 from bigfleet.machine.inventory import Inventory
 from bigfleet.machine.record import Machine
@@ -176,7 +176,7 @@ class _Cycle:
         self.vused: dict[tuple[int, int], int] = {}
         self.zero: Vec = tuple(0 for _ in dims)
         self._eligible: dict[tuple[tuple[Requirement, ...], Vec], list[MClass]] = {}
-        self._ordered: dict[tuple[tuple[int, ...], int, float], list[list[MClass]]] = {}
+        self._ordered: dict[tuple[int, int, float], list[list[MClass]]] = {}
         self._heaps: dict[tuple[int, int], list[tuple[float, str, int]]] = {}
         self._domains: dict[tuple[tuple[Requirement, ...], Vec, str], list[tuple[str, list[MClass]]]] = {}
         self._bound: dict[tuple[str, int, tuple[Requirement, ...], Vec], list[tuple[MClass, list[Machine]]]] = {}
@@ -590,7 +590,7 @@ def _units_to_cover(rem: Vec, unit: Vec, limit: int) -> int:
 
 def _ordered_classes(cy: _Cycle, classes: list[MClass], state: int, penalty: float) -> list[list[MClass]]:
     """Classes with supply in `state`, grouped by equal effective cost, cheapest group first (cached)."""
-    ck = (tuple([c.idx for c in classes]), state, penalty)
+    ck = (id(classes), state, penalty)  # class lists come from per-cycle caches: identity is stable
     got = cy._ordered.get(ck)
     if got is None:
         got = cy._ordered[ck] = _order_classes(cy, classes, state, penalty)
@@ -1131,7 +1131,10 @@ class Engine:
             ipd = bucket_dollars(n.ib)
             rpd = bucket_dollars(n.rb)
             for m in n.acquired_idle:
-                p1_actions.append(Configure(m.id, n.cluster, n.fp, n.prio, ipd, rpd, n.reqs, n.group, REASON_IDLE))
+                p1_actions.append(_fast(Configure, {
+                    "machine_id": m.id, "cluster_id": n.cluster, "need_fingerprint": n.fp, "priority": n.prio,
+                    "interruption_penalty_dollars": ipd, "reclamation_penalty_dollars": rpd,
+                    "requirements": n.reqs, "group": n.group, "reason": REASON_IDLE, "kind": "configure"}))
             for m in n.acquired_spec:
                 p1_actions.append(Create(m.id, n.cluster, n.fp, n.prio, ipd, rpd, n.reqs, n.group,
                                          REASON_SPECULATIVE))
@@ -1311,7 +1314,29 @@ def _verdicts(cy: _Cycle, n: _N, unsat: bool) -> list[Verdict]:
     reason = _unmet_reason(cy, n, unsat, supply) if unsat else UnmetReason.SATISFIED
     freed = _res(cy.dims, n.freed) if n.victims else None
     into = n.fp if folded else ""
-    return [Verdict(m.cluster_id, m.profile._fingerprint, not unsat, deficit, len(n.claimed), len(n.acquired_idle),
-                    len(n.acquired_spec), n.same_domain, n.same_sat, n.parked, n.park_age,
-                    n.unmet_age if unsat else 0, reason, supply, n.victims, freed, into)
-            for m in members]
+    common = {
+        "satisfied": not unsat, "deficit": deficit, "claimed_count": len(n.claimed),
+        "bootstrap_count": len(n.acquired_idle), "provision_count": len(n.acquired_spec),
+        "same_domain": n.same_domain, "same_satisfiable": n.same_sat, "parked": n.parked,
+        "parked_age_cycles": n.park_age, "age_cycles_unmet": n.unmet_age if unsat else 0,
+        "unmet_reason": reason, "matching_supply": supply, "victims_found": n.victims,
+        "capacity_freed": freed, "folded_into": into,
+    }
+    out = []
+    for m in members:
+        fields = dict(common)
+        fields["cluster_id"] = m.cluster_id
+        fields["fingerprint"] = m.profile._fingerprint
+        out.append(_fast(Verdict, fields))
+    return out
+
+
+_T = TypeVar("_T")
+
+
+def _fast(cls: type[_T], fields: dict[str, Any]) -> _T:
+    """Build a frozen dataclass without its per-field ``object.__setattr__`` calls (hot paths emit
+    tens of thousands per cycle). `fields` must name every field; equality/hash/repr are unchanged."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
