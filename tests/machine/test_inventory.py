@@ -215,3 +215,17 @@ def test_random_operations_never_lose_or_duplicate(ops: list[tuple[str, str, Mac
             assert mid in model and not can_transition(model[mid], state)
         assert {m.id: m.state for m in inv} == model
         check_indexes(inv)
+
+
+def test_every_write_moves_the_record_to_the_end() -> None:
+    """Contract used by the decision engine's incremental index: changed records form the tail."""
+    inv = Inventory([valid_machine(f"m{i}", S.IDLE) for i in range(4)])
+    inv.transition("m1", S.CONFIGURING, 1, cluster="c")
+    assert [m.id for m in inv.machines()] == ["m0", "m2", "m3", "m1"]
+    inv.update("m0", node_name="n0")
+    inv.upsert(valid_machine("m2", S.IDLE, node_name="n2"), 2)
+    assert [m.id for m in inv.machines()] == ["m3", "m1", "m0", "m2"]
+    inv.upsert(inv["m3"], 3)  # no-op: stays put, generation unchanged
+    assert [m.id for m in inv.machines()] == ["m3", "m1", "m0", "m2"]
+    inv.add(valid_machine("m9", S.IDLE))
+    assert [m.id for m in inv.machines()][-1] == "m9"

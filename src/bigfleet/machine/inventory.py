@@ -206,6 +206,10 @@ class Inventory:
         return iter(self._machines.values())
 
     def machines(self) -> ValuesView[Machine]:
+        """Every machine, in write order: each write (add, upsert/apply that changes something,
+        transition, update) re-inserts the record at the end, and a no-op upsert leaves it in place.
+        Incremental consumers (the decision engine's index) rely on this: the records written since
+        a point are exactly the tail not seen before."""
         return self._machines.values()
 
     def ids(self) -> list[str]:
