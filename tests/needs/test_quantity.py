@@ -169,3 +169,16 @@ def test_matches_the_kubernetes_client_parser(text: str) -> None:
             parse_quantity(text)
     else:
         assert parse_quantity(text) == expected
+
+
+@settings(deadline=None)
+@given(st.integers(min_value=0, max_value=MAX_MILLI))
+def test_formatted_strings_are_valid_kubernetes_quantities(milli: int) -> None:
+    """What we put on the wire (and operators copy into CRs) parses to the same value in Kubernetes."""
+    import decimal
+
+    from kubernetes.utils import parse_quantity as k8s_parse
+
+    with decimal.localcontext() as ctx:
+        ctx.prec = 200
+        assert k8s_parse(format_quantity(milli)) * 1000 == milli
