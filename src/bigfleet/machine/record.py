@@ -8,7 +8,6 @@ A record is then ten pointers, which is what lets a shard hold 500 000 of them.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -182,8 +181,6 @@ class Assignment:
 
 _EMPTY_KEY = (0, 0.0, 0.0, "", "")
 NO_ASSIGNMENT = Assignment()
-
-_UNSET: Any = object()
 
 
 class Machine:
@@ -498,7 +495,3 @@ def effective_cost(price_per_hour: float, interruption_probability: float, penal
     if interruption_probability <= 0.0 or not penalty_dollars > 0.0:
         return price_per_hour
     return price_per_hour + interruption_probability * penalty_dollars
-
-
-def is_finite_nonneg(x: float) -> bool:
-    return math.isfinite(x) and x >= 0.0
