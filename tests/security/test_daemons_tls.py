@@ -7,6 +7,7 @@ noisy session does not disturb the others.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import urllib.request
@@ -254,3 +255,16 @@ def test_shard_heartbeats_to_the_coordinator_over_mtls(pki: Pki, coordinator: st
     finally:
         provider.stop()
 
+
+
+@pytest.mark.parametrize("subcommand", ["coordinator", "shard", "fake-provider", "operator"])
+def test_partial_tls_flags_are_a_startup_error(subcommand: str, tmp_path: Path) -> None:
+    if not _supports_tls(subcommand):
+        pytest.skip(f"`bigfleet {subcommand}` has no --tls-* flags in this build")
+    res = subprocess.run(
+        [sys.executable, "-m", "bigfleet.cli.main", subcommand, "--tls-cert", str(tmp_path / "x.crt")],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "BIGFLEET_RAFT_PASSWORD": "p" * 24},
+    )
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "--tls-key" in res.stderr and "--tls-ca" in res.stderr
