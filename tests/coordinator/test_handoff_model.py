@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bigfleet.coordinator.state import ACCEPTED, ADOPTING, FAILED, RELEASING, FleetState
+from bigfleet.coordinator.state import ABORTED, ACCEPTED, ADOPTING, FAILED, RELEASING, FleetState
 
 SHARDS = ["a", "b", "c"]
 CLUSTERS = ["k1", "k2", "k3"]
@@ -63,6 +63,8 @@ event = st.one_of(
     st.tuples(st.just("report"), st.sampled_from(SHARDS), st.sampled_from(["ok", "lost_request", "lost_response"])),
     # A whole heartbeat round: every shard processes (failing per the mask) and reports.
     st.tuples(st.just("round"), st.tuples(st.booleans(), st.booleans(), st.booleans())),
+    # An admin aborts whatever transfer the cluster has in flight.
+    st.tuples(st.just("abort"), st.sampled_from(CLUSTERS)),
 )
 
 
@@ -90,7 +92,7 @@ def test_handoffs_never_double_own_or_lose_a_machine(events: list[tuple[Any, ...
         # Released by the old shard, ack not yet applied by the coordinator.
         for sh in shards.values():
             for hid, ids in sh.released.items():
-                if fsm.transfers[hid].phase == RELEASING:
+                if fsm.transfers[hid].phase in (RELEASING, ABORTED):
                     transit |= set(ids)
         # Every machine is held by exactly one shard, or released and awaiting adoption.
         assert set(own) | transit == all_machines
@@ -117,6 +119,10 @@ def test_handoffs_never_double_own_or_lose_a_machine(events: list[tuple[Any, ...
             fsm.apply({"op": "start_handoffs", "now": now, "moves": [{"cluster_id": c, "from": fsm.bindings[c].shard_id, "to": to, "transfer_id": f"t{tid}"}]})
         elif ev[0] == "process":
             shards[ev[1]].process(fsm, ev[2])
+        elif ev[0] == "abort":
+            for t in list(fsm.transfers.values()):
+                if t.cluster_id == ev[1]:
+                    fsm.apply({"op": "abort_transfer", "transfer_id": t.transfer_id, "now": now})
         elif ev[0] == "round":
             for s, fail in zip(SHARDS, ev[1], strict=True):
                 shards[s].process(fsm, fail)

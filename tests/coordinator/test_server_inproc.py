@@ -60,6 +60,8 @@ async def test_validation_codes(coord: tuple[CoordinatorDaemon, CoordinatorClien
     assert await code_of(c, "ApplyRebalance", pb.ApplyRebalanceRequest(max_moves=-1)) == inv
     assert await code_of(c, "LookupCluster", pb.LookupClusterRequest(cluster_id="c")) == grpc.StatusCode.UNAVAILABLE
     assert await code_of(c, "RemoveShard", pb.RemoveShardRequest(shard_id="nope")) == grpc.StatusCode.NOT_FOUND
+    assert await code_of(c, "AbortTransfer", pb.AbortTransferRequest()) == inv
+    assert await code_of(c, "AbortTransfer", pb.AbortTransferRequest(transfer_id="nope")) == grpc.StatusCode.NOT_FOUND
     # Unassigning an absent domain succeeds (idempotent).
     await c.call("UnassignDomain", pb.UnassignDomainRequest(topology_key="k", topology_value="v"))
 

@@ -211,3 +211,27 @@ def test_upstream_go_snapshot_payload_is_accepted() -> None:
     assert st.shards["s1"].address == "10.0.0.1:7780"
     assert st.bindings["c1"].shard_id == "s1" and st.load == {"s1": 1}
     assert st.domains["rack=r1"] == ("rack", "r1", "s1")
+
+
+def test_abort_before_release_and_late_release_goes_back_to_the_releaser() -> None:
+    st = FleetState()
+    tid = _handoff(st)
+    [rel] = st.pending("a")
+    assert st.apply({"op": "abort_transfer", "transfer_id": tid, "now": 5})["code"] == "ok"
+    assert st.transfers[tid].phase == "aborted" and st.pending("a") == []
+    assert st.apply({"op": "abort_transfer", "transfer_id": "nope"})["code"] == "not_found"
+    # The shard had already released before the abort reached it: the machines come back to it.
+    ack(st, "a", rel.instruction_id, ACCEPTED, ["m1"])
+    [back] = st.pending("a")
+    assert back.payload["kind"] == "adopt_cluster" and back.payload["machine_ids"] == ["m1"]
+    assert st.pending("b") == [] and st.bindings["c"].shard_id == "a"
+    ack(st, "a", back.instruction_id)
+    assert st.transfers[tid].phase == DONE
+
+
+def test_abort_refused_once_machines_were_released() -> None:
+    st = FleetState()
+    tid = _handoff(st)
+    [rel] = st.pending("a")
+    ack(st, "a", rel.instruction_id, ACCEPTED, ["m1"])
+    assert st.apply({"op": "abort_transfer", "transfer_id": tid, "now": 5})["code"] == "conflict"

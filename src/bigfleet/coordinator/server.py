@@ -706,6 +706,14 @@ class CoordinatorService(pbg.CoordinatorServicer):
         rows = self.d.r().read(lambda st: [transfer_to_proto(t) for t in sorted(st.transfers.values(), key=lambda t: (t.created_at_ns, t.transfer_id))])
         return pb.ListTransfersResponse(transfers=rows)
 
+    async def AbortTransfer(self, request: pb.AbortTransferRequest, context: grpc.aio.ServicerContext) -> pb.AbortTransferResponse:
+        if not request.transfer_id:
+            await self._invalid(context, "transfer_id is required")
+        await self._leader(context)
+        await self.d.write({"op": "abort_transfer", "transfer_id": request.transfer_id, "now": _now()}, context)
+        t = self.d.r().read(lambda st: st.transfers.get(request.transfer_id))
+        return pb.AbortTransferResponse(transfer=transfer_to_proto(t) if t is not None else None)
+
     # ----------------------------------------------------- raft & backup
     async def JoinRaftCluster(
         self, request: pb.JoinRaftClusterRequest, context: grpc.aio.ServicerContext

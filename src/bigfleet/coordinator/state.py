@@ -369,7 +369,20 @@ def _ack(st: FleetState, cmd: dict[str, Any]) -> dict[str, Any]:
         iid, outcome = str(a["id"]), int(a["outcome"])
         ins = q.get(iid)
         if ins is None:
-            continue  # already cleared (duplicate ack) or never ours
+            # Already cleared (a duplicate ack), never ours, or the release of a transfer an
+            # admin aborted: if that release did hand machines over, they go back to the releaser.
+            late = next((t for t in st.transfers.values() if t.release_instruction == iid and t.phase == ABORTED), None)
+            if late is not None and outcome == ACCEPTED and a.get("machine_ids") and late.from_shard == sid:
+                late.machine_ids = sorted({str(m) for m in a.get("machine_ids", [])})
+                late.adopter = late.from_shard
+                late.adopt_attempts = 0
+                late.phase = ADOPTING
+                late.updated_at_ns = now
+                late.reason = "aborted after release; returning machines to the releasing shard"
+                if late.transfer_id in st.finished:
+                    st.finished.remove(late.transfer_id)
+                st._send_adopt(late, now)
+            continue
         if outcome == REJECTED_STALE:
             continue  # a deposed leader's stamp; redeliver under the current term
         del q[iid]
@@ -492,6 +505,22 @@ def _start_transfer(st: FleetState, cmd: dict[str, Any]) -> dict[str, Any]:
     return {"code": OK, "started": True}
 
 
+def _abort_transfer(st: FleetState, cmd: dict[str, Any]) -> dict[str, Any]:
+    tid = str(cmd["transfer_id"])
+    now = int(cmd.get("now", 0))
+    t = st.transfers.get(tid)
+    if t is None:
+        return {"code": NOT_FOUND, "error": f"no transfer {tid!r}"}
+    if t.phase in (DONE, ABORTED):
+        return {"code": OK, "phase": t.phase}
+    if t.phase == ADOPTING:
+        return {"code": CONFLICT, "error": "machines were released; the adoption must complete"}
+    q = st.queues.get(t.from_shard, {})
+    q.pop(t.release_instruction, None)
+    st._finish(t, ABORTED, now, str(cmd.get("reason", "aborted by admin")))
+    return {"code": OK, "phase": t.phase}
+
+
 def _register_member(st: FleetState, cmd: dict[str, Any]) -> dict[str, Any]:
     m = Member(str(cmd["node_id"]), str(cmd["raft_address"]), str(cmd["grpc_address"]))
     if not m.node_id:
@@ -526,6 +555,7 @@ _HANDLERS: dict[str, Any] = {
     "ack": _ack,
     "start_handoffs": _start_handoffs,
     "start_transfer": _start_transfer,
+    "abort_transfer": _abort_transfer,
     "register_member": _register_member,
     "restore": _restore,
     "noop": _noop,

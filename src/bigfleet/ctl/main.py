@@ -29,7 +29,7 @@ COMMANDS = [
     ("lookup", "look up (and bind on first contact) a cluster's shard"),
     ("domains", "list, assign or unassign topology domains"),
     ("rebalance", "--plan | --apply cluster moves between shards"),
-    ("transfers", "list cluster handoffs and inventory transfers"),
+    ("transfers", "list cluster handoffs and inventory transfers; `transfers abort ID`"),
     ("snapshot", "save a coordinator snapshot archive"),
     ("raft", "join a replica to the coordinator's Raft group"),
     ("needs", "show a cluster's needs and the engine's verdicts (not yet)"),
@@ -198,6 +198,12 @@ async def cmd_rebalance(c: CoordinatorClient, args: argparse.Namespace) -> int:
 
 
 async def cmd_transfers(c: CoordinatorClient, args: argparse.Namespace) -> int:
+    if args.action == "abort":
+        if not args.transfer_id:
+            raise CtlError("transfers abort needs a transfer id")
+        t = (await c.call("AbortTransfer", pb.AbortTransferRequest(transfer_id=args.transfer_id))).transfer
+        print(f"transfer {t.transfer_id}: {t.phase}" + (f" ({t.reason})" if t.reason else ""))
+        return 0
     ts = (await c.call("ListTransfers", pb.ListTransfersRequest())).transfers
     data = [
         {
@@ -296,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--plan-id", default="", help="with --apply: refuse if the plan changed since it was reviewed")
             sp.add_argument("--max-moves", type=int, default=0)
             sp.add_argument("--load-factor", type=float, default=0.0, help="bounded-load factor c (default: the coordinator's, 1.25)")
+        elif name == "transfers":
+            sp.add_argument("action", nargs="?", choices=["list", "abort"], default="list")
+            sp.add_argument("transfer_id", nargs="?", default="")
         elif name == "snapshot":
             sp.add_argument("action", choices=["save"])
             sp.add_argument("file", nargs="?", default="")

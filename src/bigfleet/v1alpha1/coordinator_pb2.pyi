@@ -1350,3 +1350,42 @@ class TransferStatus(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TransferStatus: _TypeAlias = TransferStatus  # noqa: Y015
+
+@_typing.final
+class AbortTransferRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    transfer_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        transfer_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbortTransferRequest: _TypeAlias = AbortTransferRequest  # noqa: Y015
+
+@_typing.final
+class AbortTransferResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def transfer(self) -> Global___TransferStatus: ...
+    def __init__(
+        self,
+        *,
+        transfer: Global___TransferStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["transfer", b"transfer"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["transfer", b"transfer"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbortTransferResponse: _TypeAlias = AbortTransferResponse  # noqa: Y015

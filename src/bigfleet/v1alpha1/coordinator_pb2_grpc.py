@@ -104,6 +104,11 @@ class CoordinatorStub:
                 request_serializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.ListTransfersRequest.SerializeToString,
                 response_deserializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.ListTransfersResponse.FromString,
                 _registered_method=True)
+        self.AbortTransfer = channel.unary_unary(
+                '/bigfleet.v1alpha1.Coordinator/AbortTransfer',
+                request_serializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.AbortTransferRequest.SerializeToString,
+                response_deserializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.AbortTransferResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -207,6 +212,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AbortTransfer(self, request, context):
+        """Admin: abort a transfer still waiting for its release. FAILED_PRECONDITION
+        once machines were released (adoption must complete); machines a late
+        release hands over go back to the releasing shard.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -279,6 +293,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ListTransfers,
                     request_deserializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.ListTransfersRequest.FromString,
                     response_serializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.ListTransfersResponse.SerializeToString,
+            ),
+            'AbortTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortTransfer,
+                    request_deserializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.AbortTransferRequest.FromString,
+                    response_serializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.AbortTransferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -659,6 +678,33 @@ class Coordinator:
             '/bigfleet.v1alpha1.Coordinator/ListTransfers',
             bigfleet_dot_v1alpha1_dot_coordinator__pb2.ListTransfersRequest.SerializeToString,
             bigfleet_dot_v1alpha1_dot_coordinator__pb2.ListTransfersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bigfleet.v1alpha1.Coordinator/AbortTransfer',
+            bigfleet_dot_v1alpha1_dot_coordinator__pb2.AbortTransferRequest.SerializeToString,
+            bigfleet_dot_v1alpha1_dot_coordinator__pb2.AbortTransferResponse.FromString,
             options,
             channel_credentials,
             insecure,

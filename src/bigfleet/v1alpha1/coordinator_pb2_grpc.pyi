@@ -69,6 +69,11 @@ class CoordinatorStub:
     """Admin: start fenced handoffs for the planned moves."""
     ListTransfers: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListTransfersRequest, _coordinator_pb2.ListTransfersResponse]
     """Read: inventory and cluster transfers in flight or recently finished."""
+    AbortTransfer: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.AbortTransferRequest, _coordinator_pb2.AbortTransferResponse]
+    """Admin: abort a transfer still waiting for its release. FAILED_PRECONDITION
+    once machines were released (adoption must complete); machines a late
+    release hands over go back to the releasing shard.
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -103,6 +108,11 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """Admin: start fenced handoffs for the planned moves."""
     ListTransfers: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListTransfersRequest, _coordinator_pb2.ListTransfersResponse]  # type: ignore[assignment]
     """Read: inventory and cluster transfers in flight or recently finished."""
+    AbortTransfer: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.AbortTransferRequest, _coordinator_pb2.AbortTransferResponse]  # type: ignore[assignment]
+    """Admin: abort a transfer still waiting for its release. FAILED_PRECONDITION
+    once machines were released (adoption must complete); machines a late
+    release hands over go back to the releasing shard.
+    """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -218,5 +228,16 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.ListTransfersResponse, _abc.Awaitable[_coordinator_pb2.ListTransfersResponse]]:
         """Read: inventory and cluster transfers in flight or recently finished."""
+
+    @_abc_1.abstractmethod
+    def AbortTransfer(
+        self,
+        request: _coordinator_pb2.AbortTransferRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.AbortTransferResponse, _abc.Awaitable[_coordinator_pb2.AbortTransferResponse]]:
+        """Admin: abort a transfer still waiting for its release. FAILED_PRECONDITION
+        once machines were released (adoption must complete); machines a late
+        release hands over go back to the releasing shard.
+        """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
