@@ -11,7 +11,7 @@ import gc
 import heapq
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from itertools import compress, islice, repeat
+from itertools import islice, repeat
 from operator import attrgetter
 from typing import Any, TypeVar
 
@@ -887,7 +887,6 @@ class Engine:
         self._ix: Index | None = None
         self._src: Any = None
         self._gen: int | None = None
-        self._objs: dict[int, Machine] = {}
         self._by_mid: dict[str, Machine] = {}
         self._since_full = 0
         #: every this many syncs the inventory is diffed in full instead of by its changed tail
@@ -912,24 +911,24 @@ class Engine:
             self._gen = gen
             return self._ix
         self._since_full = 0
+        by_mid = self._by_mid
         now_ids = set(map(id, ms))
-        removed = self._objs.keys() - now_ids
-        added = now_ids - self._objs.keys()
-        if len(removed) + len(added) > max(1000, len(now_ids) // 4):
+        prev = list(by_mid.values())
+        gone = [m for m in prev if id(m) not in now_ids]
+        prev_ids = set(map(id, prev))
+        added_objs = [m for m in ms if id(m) not in prev_ids]
+        if len(gone) + len(added_objs) > max(1000, len(now_ids) // 4):
             return self._rebuild(inventory, ms, gen)
         ix = self._ix
-        for pid in removed:
-            old = self._objs.pop(pid)
+        for old in gone:
             remove_machine(ix, old)
-            if self._by_mid.get(old.id) is old:
-                del self._by_mid[old.id]
-        if added:
-            for m in compress(ms, map(added.__contains__, map(id, ms))):
-                add_machine(ix, m)
-                self._objs[id(m)] = m
-                self._by_mid[m.id] = m
+            if by_mid.get(old.id) is old:
+                del by_mid[old.id]
+        for m in added_objs:
+            add_machine(ix, m)
+            by_mid[m.id] = m
         self._src, self._gen = inventory, gen
-        self.last_index_changes = len(removed) + len(added)
+        self.last_index_changes = len(gone) + len(added_objs)
         return ix
 
     def _tail_sync(self, ms: Any) -> bool:
@@ -937,23 +936,20 @@ class Engine:
         the end of its (insertion-ordered) table: new records are exactly the tail that is not in the
         baseline. Returns False (caller does a full diff) when the counts do not add up, e.g. after a
         removal; a periodic full diff (`full_diff_every`) guards against anything else."""
-        objs = self._objs
+        by_mid = self._by_mid
         added: list[Machine] = []
         for m in reversed(ms):
-            if id(m) in objs:
+            if by_mid.get(m.id) is m:
                 break
             added.append(m)
-        by_mid = self._by_mid
         replaced = [old for m in added if (old := by_mid.get(m.id)) is not None]
-        if len(ms) != len(objs) - len(replaced) + len(added) or len({m.id for m in added}) != len(added):
+        if len(ms) != len(by_mid) - len(replaced) + len(added) or len({m.id for m in added}) != len(added):
             return False
         ix = self._ix
         assert ix is not None
         for old in replaced:
-            del objs[id(old)]
             remove_machine(ix, old)
         for m in reversed(added):
-            objs[id(m)] = m
             by_mid[m.id] = m
             add_machine(ix, m)
         self.last_index_changes = len(added) + len(replaced)
@@ -961,14 +957,13 @@ class Engine:
 
     def _rebuild(self, inventory: Any, ms: Any, gen: int | None) -> Index:
         ix = build_index(ms)
-        # Holding every record keeps its id() from being reused while it is in the diff baseline.
-        self._objs = {id(m): m for m in ms}
+        # Holding every baseline record also keeps its id() from being reused by a new record.
         self._by_mid = {m.id: m for m in ms}
         self._since_full = 0
         self._ix = ix
         self._src, self._gen = inventory, gen
         self._cache.clear()
-        self.last_index_changes = len(self._objs)
+        self.last_index_changes = len(self._by_mid)
         return ix
 
     # --- the cycle -------------------------------------------------------------------------------
