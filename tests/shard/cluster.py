@@ -7,6 +7,7 @@ import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -44,27 +45,36 @@ class ShardProc:
         await until(lambda: self._healthy(), 60, f"shard health at {self.addr}", interval=0.1)
         return self
 
+    tls: Any = None  # the TLSConfig tests use to reach this shard (admin identity)
+
     async def _healthy(self) -> bool:
-        async with insecure_channel(self.addr) as ch:
+        async with self._dial() as ch:
             r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
             return bool(r.status == health_pb2.HealthCheckResponse.SERVING)
 
     def logs(self) -> str:
         return self.proc.logs() if self.proc else ""
 
+    def _dial(self) -> Any:
+        if self.tls is not None:
+            from bigfleet.security.tls import dial
+
+            return dial(self.addr, self.tls)
+        return insecure_channel(self.addr)
+
     async def counts(self, cluster_id: str = "") -> shardread_pb2.InventoryCounts:
-        async with insecure_channel(self.addr) as ch:
+        async with self._dial() as ch:
             r: shardread_pb2.InventoryCounts = await shardread_pb2_grpc.ShardReadStub(ch).GetInventoryCounts(
                 shardread_pb2.InventoryCountsRequest(cluster_id=cluster_id), timeout=5)
             return r
 
     async def cycle(self) -> int:
-        async with insecure_channel(self.addr) as ch:
+        async with self._dial() as ch:
             st = await shardread_pb2_grpc.ShardAdminStub(ch).GetActuation(shardread_pb2.GetActuationRequest(), timeout=5)
             return int(st.cycle)
 
     async def inspect(self, cluster_id: str = "") -> list[shardread_pb2.InspectNeedsResponse]:
-        async with insecure_channel(self.addr) as ch:
+        async with self._dial() as ch:
             call = shardread_pb2_grpc.ShardReadStub(ch).InspectNeeds(
                 shardread_pb2.InspectNeedsRequest(cluster_id=cluster_id), timeout=5)
             return [r async for r in call]
@@ -78,12 +88,12 @@ class ShardProc:
 
 
 @asynccontextmanager
-async def fleet(provider_args: tuple[str, ...], shard_args: tuple[str, ...] = ()) -> AsyncIterator[
-        tuple[ManagedProcess, SpyProvider, ShardProc]]:
+async def fleet(provider_args: tuple[str, ...], shard_args: tuple[str, ...] = (), provider_tls: Any = None,
+                ) -> AsyncIterator[tuple[ManagedProcess, SpyProvider, ShardProc]]:
     prov, paddr = start_provider(*provider_args)
     shard: ShardProc | None = None
     try:
-        async with spy_provider(paddr) as (spy, spy_addr):
+        async with spy_provider(paddr, provider_tls) as (spy, spy_addr):
             shard = await ShardProc(spy_addr, extra=shard_args).start()
             try:
                 yield prov, spy, shard

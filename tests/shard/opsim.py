@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -38,9 +39,15 @@ class FakeOperator:
     status: grpc.StatusCode | None = None
     details: str = ""
     on_frame: Callable[[shard_pb2.ShardMessage], None] | None = None
+    tls: Any = None  # a bigfleet.security.tls.TLSConfig for mTLS
 
     async def __aenter__(self) -> FakeOperator:
-        self._channel = insecure_channel(self.target)
+        if self.tls is not None:
+            from bigfleet.security.tls import dial
+
+            self._channel = dial(self.target, self.tls)
+        else:
+            self._channel = insecure_channel(self.target)
         self._call = shard_pb2_grpc.ShardStub(self._channel).Session()
         await self._call.write(shard_pb2.OperatorMessage(hello=shard_pb2.Hello(cluster_id=self.cluster_id,
                                                                                 protocol_version="v1alpha1")))

@@ -61,11 +61,14 @@ class SpyProvider(provider_pb2_grpc.CapacityProviderServicer):
 
 
 @asynccontextmanager
-async def spy_provider(upstream: str) -> AsyncIterator[tuple[SpyProvider, str]]:
+async def spy_provider(upstream: str, tls: Any = None) -> AsyncIterator[tuple[SpyProvider, str]]:
+    """``tls`` (a TLSConfig) makes the pass-through serve mTLS while the upstream stays plaintext."""
+    from bigfleet.security.tls import add_port
+
     spy = SpyProvider(upstream)
     server, _ = new_server()
     provider_pb2_grpc.add_CapacityProviderServicer_to_server(spy, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = add_port(server, "127.0.0.1:0", tls)
     await server.start()
     try:
         yield spy, f"127.0.0.1:{port}"

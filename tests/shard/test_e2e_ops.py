@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import tempfile
 import urllib.request
+from pathlib import Path
 
+import grpc
 import pytest
 
 from bigfleet.rpc import insecure_channel
+from bigfleet.security.tls import dial
 from bigfleet.testing import ManagedProcess, free_port
 from bigfleet.v1alpha1 import (
     coordinator_pb2,
@@ -20,7 +23,7 @@ from bigfleet.v1alpha1 import (
 
 from .cluster import ShardProc, fleet, start_provider
 from .opsim import FakeOperator, need
-from .spy import until
+from .spy import spy_provider, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -110,3 +113,49 @@ async def test_shard_reports_to_the_coordinator() -> None:
         raise
     finally:
         coord.stop()
+
+
+async def test_mtls_session_identity_and_read_gating(tmp_path: Path) -> None:
+    from bigfleet.security.certs import make_local_pki
+    from bigfleet.security.tls import TLSConfig
+
+    make_local_pki(tmp_path, clusters=("c1", "c2"), shards=("s1",))
+
+    def cfg(stem: str) -> TLSConfig:
+        return TLSConfig.from_paths(tmp_path / f"{stem}.crt", tmp_path / f"{stem}.key", tmp_path / "ca.crt")
+
+    shard_tls = ("--tls-cert", str(tmp_path / "shard-s1.crt"), "--tls-key", str(tmp_path / "shard-s1.key"),
+                 "--tls-ca", str(tmp_path / "ca.crt"))
+    prov, paddr = start_provider("--seed-count", "0", "--committed-count", "1")
+    try:
+        async with spy_provider(paddr, cfg("admin")) as (spy, spy_addr):
+            shard = ShardProc(spy_addr, extra=shard_tls)
+            shard.tls = cfg("admin")
+            await shard.start()
+            try:
+                # the shard dialled the provider over mTLS and reconciled
+                await until(lambda: _reconciled(shard), 30, "reconcile over mTLS")
+                async with FakeOperator(shard.addr, "c1", tls=cfg("cluster-c1")) as op:
+                    await until(lambda: op.acks("hello"), 10, "hello ack over mTLS")
+                    await op.send_rollup([need("7")])
+                    await until(lambda: _configured(shard, "c1", 1), 30, "configured over mTLS")
+                    assert spy.of("Configure")[0].bootstrap_blob == op.blob
+                # a certificate for c2 cannot open c1's session
+                async with FakeOperator(shard.addr, "c1", tls=cfg("cluster-c2")) as impostor:
+                    await until(lambda: impostor.status is not None, 10, "impostor rejected")
+                    assert impostor.status == grpc.StatusCode.PERMISSION_DENIED
+                # an operator certificate may not read the shard's inspection service
+                async with dial(shard.addr, cfg("cluster-c1")) as ch:
+                    with pytest.raises(grpc.aio.AioRpcError) as ei:
+                        await shardread_pb2_grpc.ShardReadStub(ch).GetInventoryCounts(
+                            shardread_pb2.InventoryCountsRequest(), timeout=5)
+                    assert ei.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            finally:
+                if shard.proc:
+                    shard.proc.stop()
+    finally:
+        prov.stop()
+
+
+async def _reconciled(shard: ShardProc) -> bool:
+    return bool((await shard.counts()).reconciled)

@@ -14,6 +14,8 @@ from grpc_health.v1 import health_pb2_grpc
 
 from bigfleet.observability import configure_logging, get_logger, new_registry, start_metrics_server
 from bigfleet.rpc.options import NOT_SERVING, SERVING, server_options
+from bigfleet.security.roles import SHARD_POLICY, RoleInterceptor
+from bigfleet.security.tls import TLSConfig, add_port, add_tls_arguments, tls_from_args_or_exit
 from bigfleet.v1alpha1 import shard_pb2_grpc, shardread_pb2_grpc
 
 
@@ -39,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-empty-rollup-guard", dest="empty_rollup_guard", action="store_const", const=False)
     p.add_argument("--dry-run", action="store_const", const=True)
     p.add_argument("--paused", action="store_const", const=True)
+    add_tls_arguments(p)
     p.add_argument("--log-level")
     p.add_argument("--log-format", choices=["json", "console"])
     return p
@@ -55,8 +58,8 @@ SESSION_SERVER_OPTIONS = [
 ]
 
 
-def build_server() -> tuple[grpc.aio.Server, grpc_health.aio.HealthServicer]:
-    server = grpc.aio.server(options=server_options(SESSION_SERVER_OPTIONS))
+def build_server(*interceptors: grpc.aio.ServerInterceptor) -> tuple[grpc.aio.Server, grpc_health.aio.HealthServicer]:
+    server = grpc.aio.server(options=server_options(SESSION_SERVER_OPTIONS), interceptors=list(interceptors))
     health = grpc_health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     return server, health
@@ -65,7 +68,12 @@ def build_server() -> tuple[grpc.aio.Server, grpc_health.aio.HealthServicer]:
 def main(argv: list[str]) -> int:
     from bigfleet.shard.config import load_settings
 
-    args = vars(build_parser().parse_args(argv))
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    tls = tls_from_args_or_exit(parser, ns)
+    args = vars(ns)
+    for k in [k for k in args if k.startswith("tls_")]:
+        args.pop(k)
     config_file = args.pop("config")
     try:
         settings = load_settings(config_file, args)
@@ -80,12 +88,12 @@ def main(argv: list[str]) -> int:
     # gRPC's poller) get back in quickly, which is what bounds roll-up latency while cycles run.
     sys.setswitchinterval(settings.gil_switch_interval)
     try:
-        return asyncio.run(serve(settings))
+        return asyncio.run(serve(settings, tls))
     except KeyboardInterrupt:
         return 0
 
 
-async def serve(settings: Any) -> int:
+async def serve(settings: Any, tls: TLSConfig | None = None) -> int:
     from bigfleet.decision.types import EngineConfig
     from bigfleet.shard.daemon import DaemonConfig, ShardDaemon
     from bigfleet.shard.epoch import EpochError, bump_epoch
@@ -125,14 +133,14 @@ async def serve(settings: Any) -> int:
         ),
         guard=GuardConfig(enabled=settings.empty_rollup_guard),
     )
-    daemon = ShardDaemon(cfg, metrics)
-    server, health = build_server()
+    daemon = ShardDaemon(cfg, metrics, tls=tls)
+    server, health = build_server(RoleInterceptor(SHARD_POLICY, registry=registry, component="shard"))
     shard_pb2_grpc.add_ShardServicer_to_server(daemon.servicer, server)
     shardread_pb2_grpc.add_ShardReadServicer_to_server(ShardReadServicer(daemon), server)
     shardread_pb2_grpc.add_ShardAdminServicer_to_server(ShardAdminServicer(daemon), server)
     try:
-        port = server.add_insecure_port(settings.listen)
-    except RuntimeError as exc:
+        port = add_port(server, settings.listen, tls)
+    except OSError as exc:
         log.error("cannot listen", listen=settings.listen, error=str(exc))
         return 1
     await server.start()
@@ -146,7 +154,10 @@ async def serve(settings: Any) -> int:
 
         from bigfleet.coordinator.client import BaseInstructionHandler, CoordinatorClient, HeartbeatLoop
 
-        coord_client = CoordinatorClient([a for a in settings.coordinator.split(",") if a.strip()])
+        coord_client = CoordinatorClient(
+            [a for a in settings.coordinator.split(",") if a.strip()],
+            tls=tls,
+        )
         heartbeat = HeartbeatLoop(
             coord_client, settings.shard_id, daemon.build_report, BaseInstructionHandler(),
             interval=settings.heartbeat_interval, shard_address=settings.advertise or settings.listen,

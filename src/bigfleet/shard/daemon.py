@@ -59,13 +59,13 @@ class CycleRecord:
 
 
 class ShardDaemon:
-    def __init__(self, config: DaemonConfig, metrics: ShardMetrics) -> None:
+    def __init__(self, config: DaemonConfig, metrics: ShardMetrics, tls: Any = None) -> None:
         self.config = config
         self.metrics = metrics
         self.store = LocalDemandStore()
         self.sessions = SessionRegistry(metrics)
         self.view = MachineView(on_node_update=self._route_node_update, on_reject=self._on_reject)
-        self.provider = ProviderClient(config.provider, config.shard_id, config.epoch, metrics)
+        self.provider = ProviderClient(config.provider, config.shard_id, config.epoch, metrics, tls=tls)
         self.executor = Executor(
             self.view, self.provider, self.sessions, self.resolve_binding, config.executor, metrics,
             on_settled=self.trigger,

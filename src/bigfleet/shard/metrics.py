@@ -33,6 +33,10 @@ class ShardMetrics:
         self.session_lifecycle = Counter(
             "bigfleet_shard_session_lifecycle_total", "Session installs, replacements, removals", ["event"], registry=r
         )
+        self.identity_rejected = Counter(
+            "bigfleet_shard_session_identity_rejected_total", "Sessions whose certificate did not name the cluster",
+            registry=r,
+        )
         self.active_sessions = Gauge("bigfleet_shard_active_sessions", "Open operator sessions", registry=r)
         self.rollups = Counter("bigfleet_shard_rollups_total", "Roll-ups accepted", registry=r)
         self.rollups_rejected = Counter(

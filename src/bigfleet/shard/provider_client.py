@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import grpc
 
 from bigfleet.rpc import channel_options
+from bigfleet.security.tls import TLSConfig
 from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.v1alpha1 import provider_pb2, provider_pb2_grpc
 
@@ -52,6 +53,7 @@ class ProviderClient:
         attempt_timeout: float = 10.0,
         max_attempts: int = 4,
         backoff: float = 0.2,
+        tls: TLSConfig | None = None,
     ) -> None:
         self.target = target
         self.shard_id = shard_id
@@ -59,8 +61,12 @@ class ProviderClient:
         self._metrics = metrics
         # No keepalive pings: calls flow every reconcile anyway, and providers built on default
         # server settings answer frequent idle pings with GOAWAY "too_many_pings".
-        opts = [o for o in channel_options() if not o[0].startswith("grpc.keepalive")]
-        self._channel = grpc.aio.insecure_channel(target, options=opts)
+        if tls is None:
+            opts = [o for o in channel_options() if not o[0].startswith("grpc.keepalive")]
+            self._channel = grpc.aio.insecure_channel(target, options=opts)
+        else:  # mTLS: we present bigfleet://shard/<id>
+            opts = [o for o in tls.channel_options() if not o[0].startswith("grpc.keepalive")]
+            self._channel = grpc.aio.secure_channel(target, tls.channel_credentials(), options=opts)
         self._stub = provider_pb2_grpc.CapacityProviderStub(self._channel)
         self._seq = itertools.count(1)
         self.lifecycle_timeout = lifecycle_timeout

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from bigfleet.observability import get_logger
+from bigfleet.security.roles import session_denial
 from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.shard.outbox import Outbox, OutboxOverflow
 from bigfleet.v1alpha1 import capacity_pb2, shard_pb2, shard_pb2_grpc
@@ -144,6 +145,7 @@ class SessionRegistry:
     def __init__(self, metrics: ShardMetrics | None = None) -> None:
         self._by_cluster: dict[str, OperatorSession] = {}
         self._metrics = metrics
+        self.metrics = metrics
         self.on_removed: list[Callable[[str], None]] = []
 
     def get(self, cluster_id: str) -> OperatorSession | None:
@@ -217,6 +219,12 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
         ):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first frame must be Hello with cluster_id")
         cluster_id = first.hello.cluster_id
+        denial = session_denial(context, cluster_id)  # None on plaintext (checks skipped)
+        if denial:
+            if self.registry.metrics:
+                self.registry.metrics.identity_rejected.inc()
+            log.warning("session identity rejected", cluster=cluster_id, reason=denial)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, denial)
         session = OperatorSession(cluster_id, context, self._max_unkeyed)
         slog = log.bind(cluster=cluster_id, session=session.id)
         self.registry.install(session)
