@@ -159,3 +159,16 @@ def test_property_placement_and_plans_respect_the_cap(n_clusters: int, n_shards:
         applied[m.cluster_id] = m.to_shard
     assert Counter(applied.values()) == Counter({k: v for k, v in plan.load_after.items() if v})
     assert plan_rebalance(applied, grown, c).moves == []
+
+
+def test_batched_scores_equal_single_scores_and_are_pinned() -> None:
+    from bigfleet.placement.hrw import _scores
+
+    shards = [f"s{j}" for j in range(7)]
+    for i in range(200):
+        k = f"c{i}"
+        assert [v for v, _ in _scores(k, shards)] == [score(k, s) for s in shards]
+    # The hash is a compatibility contract (bindings and plans depend on it): pin one value.
+    assert score("cluster-a", "shard-0") == int.from_bytes(
+        __import__("hashlib").blake2b(b"cluster-a\x00shard-0", digest_size=8).digest(), "big"
+    )
