@@ -132,6 +132,8 @@ async def eventually(pred: Callable[[], object], timeout: float = 20.0, what: st
             v = pred()
             if v:
                 return v
+        except AssertionError:
+            raise  # a predicate's assertion means "give up now", not "not yet"
         except Exception as exc:
             last = exc
         if loop.time() > deadline:

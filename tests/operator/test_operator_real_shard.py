@@ -4,7 +4,6 @@ Acknowledged CR. The full end-to-end suite lives with issue #9."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -34,11 +33,23 @@ async def test_operator_against_the_real_shard(tmp_path: Path) -> None:
     try:
         procs[0].start()
         procs[1].start()
-        await asyncio.to_thread(wait_for_health, f"127.0.0.1:{sp}", 60)
+
+        def shard_up() -> bool:
+            assert all(p.alive() for p in procs[:2]), "provider or shard exited"
+            try:
+                wait_for_health(f"127.0.0.1:{sp}", 0.5)
+                return True
+            except TimeoutError:
+                return False
+
+        await eventually(shard_up, timeout=60, what="shard serving")
         s.put(cr("a", {"cpu": "1"}, priority=100))
         procs[2].start()
-        await eventually(lambda: any((o.get("status") or {}).get("phase") == "Ready"
-                                     for o in s.objects("upcomingnodes")), timeout=90, what="a Ready UpcomingNode")
+        def ready() -> bool:
+            assert all(p.alive() for p in procs), "a daemon exited"
+            return any((o.get("status") or {}).get("phase") == "Ready" for o in s.objects("upcomingnodes"))
+
+        await eventually(ready, timeout=90, what="a Ready UpcomingNode")
         await eventually(lambda: s.objects("availablecapacities"), timeout=30, what="an AvailableCapacity")
         assert (s.find("capacityrequests", "a", "default") or {}).get("status", {}).get("phase") == "Acknowledged"
         ready = [o for o in s.objects("upcomingnodes") if o["status"]["phase"] == "Ready"]
