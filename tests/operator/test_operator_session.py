@@ -289,3 +289,44 @@ async def test_mtls_session_presents_the_cluster_identity(kube: KubeTestServer, 
         assert shard.peers == ["bigfleet://cluster/c1"]
     finally:
         await shard.stop()
+
+
+async def test_outbox_drops_the_newest_when_full_and_rollup_slot_keeps_the_newest() -> None:
+    from bigfleet.operator.metrics import OperatorMetrics
+    from bigfleet.operator.session import OUTBOX_CAPACITY, SessionClient, StaticResolver
+
+    m = OperatorMetrics()
+
+    async def nothing() -> None:
+        return None
+
+    sc = SessionClient("c1", StaticResolver("127.0.0.1:1"), None, m, request_rollup=nothing)  # type: ignore[arg-type]
+    for i in range(OUTBOX_CAPACITY + 3):
+        sc.send_response(shard_pb2.OperatorMessage(reclaim_ack=shard_pb2.ReclaimAck(instruction_id=str(i))))
+    assert len(sc._outbox) == OUTBOX_CAPACITY
+    assert sc._outbox[-1].reclaim_ack.instruction_id == str(OUTBOX_CAPACITY - 1)
+    assert m.outbox_dropped._value.get() == 3
+    sc.offer_rollup(capacity_pb2.ClusterCapacityNeeds(cluster_id="c1", timestamp_unix_nanos=1))
+    sc.offer_rollup(capacity_pb2.ClusterCapacityNeeds(cluster_id="c1", timestamp_unix_nanos=2))
+    assert sc._rollup is not None and sc._rollup.timestamp_unix_nanos == 2
+
+
+async def test_coalescer_keeps_only_the_newest_frame_per_machine() -> None:
+    from bigfleet.operator.session import NodeStateCoalescer
+
+    seen: list[tuple[str, int]] = []
+    gate = asyncio.Event()
+
+    async def handler(u: shard_pb2.NodeStateUpdate) -> None:
+        await gate.wait()
+        seen.append((u.machine_id, int(u.state)))
+
+    c = NodeStateCoalescer(handler, asyncio.Semaphore(32))
+    for state in (1, 2, 3, 4, 5):  # the first one starts the worker; 2..4 are superseded by 5
+        c.offer(shard_pb2.NodeStateUpdate(machine_id="m", state=state))  # type: ignore[arg-type]
+        await asyncio.sleep(0)
+    c.offer(shard_pb2.NodeStateUpdate(machine_id="other", state=3))  # type: ignore[arg-type]
+    gate.set()
+    await c.idle()
+    assert [s for m, s in seen if m == "m"] == [1, 5]
+    assert ("other", 3) in seen and not c.running
