@@ -147,3 +147,51 @@ def test_token_bucket_allows_burst_then_paces() -> None:
     for _ in range(3):
         b2.take(0.0)
     assert b2.take(10.0) == 0.0  # refilled (capped at burst) after idling
+
+
+def _props() -> object:
+    from hypothesis import strategies as st
+
+    req = st.sampled_from([[], [{"key": "zone", "operator": "In", "values": ["a"]}],
+                           [{"key": "gpu", "operator": "Exists"}]])
+    one = st.fixed_dictionaries({
+        "cpu": st.integers(1, 64_000), "mem": st.integers(0, 1 << 20), "prio": st.sampled_from([0, 10, 1000]),
+        "req": req, "pen": st.sampled_from([None, "0", "0.3", "7", "1e7"]),
+        "gang": st.sampled_from([None, "g1", "g2"]),
+    })
+    return st.lists(one, max_size=40)
+
+
+def test_rollup_conserves_demand_and_is_order_free() -> None:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from bigfleet.needs import parse_quantity
+
+    @settings(max_examples=150, deadline=None)
+    @given(_props(), st.randoms())
+    def check(items: list[dict[str, Any]], rnd: Any) -> None:
+        crs = []
+        for i, it in enumerate(items):
+            spec: dict[str, Any] = {"requirements": it["req"]}
+            if it["pen"] is not None:
+                spec["interruptionPenalty"] = it["pen"]
+            if it["gang"]:
+                spec["coLocation"] = {"topologyKey": "rack", "labelSelector": {"matchLabels": {"gang": it["gang"]}}}
+            res = {"cpu": f"{it['cpu']}m", **({"memory": f"{it['mem']}Ki"} if it["mem"] else {})}
+            crs.append(cr(f"c{i}", res, priority=it["prio"], **spec))
+        out = build_rollup("c1", crs, 1)
+        assert out.crs_included == len(crs) and not out.skipped
+        for resource, unit in (("cpu", 1), ("memory", 1024 * 1000)):
+            want = sum((it["cpu"] if resource == "cpu" else it["mem"] * unit) for it in items)
+            got = sum(parse_quantity(n.aggregate_resources.get(resource, "0")) for n in out.message.needs)
+            assert got == want
+        for n in out.message.needs:
+            for k, v in n.min_unit.items():
+                assert parse_quantity(v) <= parse_quantity(n.aggregate_resources[k])
+            assert bool(n.group) == any(r.operator == R.OPERATOR_SAME for r in n.requirements)
+        shuffled = list(crs)
+        rnd.shuffle(shuffled)
+        assert build_rollup("c1", shuffled, 1).message == out.message
+
+    check()
