@@ -97,3 +97,40 @@ async def test_reports_soft_state_and_instruction_cycle(coord: tuple[Coordinator
     # SnapshotSave streams meta first, then data.
     frames = [f async for f in await c.stream("SnapshotSave", pb.SnapshotSaveRequest())]
     assert frames[0].WhichOneof("payload") == "meta_json" and all(f.WhichOneof("payload") == "data" for f in frames[1:])
+
+
+async def test_silent_shard_is_down_not_deleted(tmp_path: Path) -> None:
+    cfg = CoordinatorConfig(
+        node_id="solo",
+        listen=f"127.0.0.1:{free_port()}",
+        raft_bind=f"127.0.0.1:{free_port()}",
+        data_dir=tmp_path / "d",
+        password="pw",
+        rebalance_interval=0,
+        down_after=0.5,
+    )
+    d = CoordinatorDaemon(cfg)
+    await d.start()
+    c = CoordinatorClient([d.grpc_address])
+    try:
+        deadline = time.monotonic() + 20
+        while not d.ready():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        await c.call("ReportShard", pb.ShardReport(shard_id="s1", shard_address="s1:1"))
+        assert (await c.call("LookupCluster", pb.LookupClusterRequest(cluster_id="c1"))).shard_id == "s1"
+        await asyncio.sleep(0.8)
+        plan = await c.call("PlanRebalance", pb.PlanRebalanceRequest())
+        assert plan.live_shards == 0 and list(plan.stranded_clusters) == ["c1"]
+        assert [s.shard_id for s in (await c.call("ListShards", pb.ListShardsRequest())).shards] == ["s1"]
+        # Its cluster stays bound to it (sticky); a new cluster cannot be placed on a down shard.
+        assert (await c.call("LookupCluster", pb.LookupClusterRequest(cluster_id="c1"))).shard_id == "s1"
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await c.call("LookupCluster", pb.LookupClusterRequest(cluster_id="c2"))
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+        # One report and it is live again.
+        await c.call("ReportShard", pb.ShardReport(shard_id="s1"))
+        assert (await c.call("LookupCluster", pb.LookupClusterRequest(cluster_id="c2"))).shard_id == "s1"
+    finally:
+        await c.close()
+        await d.stop()
