@@ -271,3 +271,17 @@ def test_incremental_engine_matches_fresh_decide(ms: list[Machine], ns1: list[Ne
                     inv.upsert(inv[m.id].replace(state=S.SPECULATIVE, host_provider="", host_ref="",
                                                  state_since_unix_nanos=now))
         now += 30 * 10**9
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(machines(), needs(), st.frozensets(st.sampled_from(CLUSTERS)))
+def test_bulk_crediting_equals_machine_by_machine(ms: list[Machine], ns: list[Need], ready: frozenset[str]) -> None:
+    from unittest import mock
+
+    from bigfleet.decision import engine as eng_mod
+
+    fast = _decide(ns, ms, ready)
+    with mock.patch.object(eng_mod, "_band_hold", lambda *a: False), \
+            mock.patch.object(eng_mod, "_bulk_hold", lambda *a: False):
+        slow = _decide(ns, ms, ready)
+    assert fast == slow

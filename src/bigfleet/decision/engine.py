@@ -178,6 +178,7 @@ class _Cycle:
         self._eligible: dict[tuple[tuple[Requirement, ...], Vec], list[MClass]] = {}
         self._ordered: dict[tuple[int, int, float], list[list[MClass]]] = {}
         self._heaps: dict[tuple[int, int], list[tuple[float, str, int]]] = {}
+        self._band: dict[int, list[tuple[MClass, list[Machine]]]] = {}
         self._domains: dict[tuple[tuple[Requirement, ...], Vec, str], list[tuple[str, list[MClass]]]] = {}
         self._bound: dict[tuple[str, int, tuple[Requirement, ...], Vec], list[tuple[MClass, list[Machine]]]] = {}
 
@@ -338,6 +339,70 @@ def _hold(cy: _Cycle, m: Machine, n: _N) -> None:
         cy.hconf[n.cluster] = cy.hconf.get(n.cluster, 0) + 1
 
 
+def _band_hold(cy: _Cycle, n: _N, state: int, lists: list[tuple[MClass, list[Machine]]]) -> bool:
+    """Credit several classes in bulk when each has a single reclamation value (keep order is then
+    class after class). Classes of equal allocatable share one "machines still needed" count, so the
+    per-class work is a cursor move and a C-level dict update. False: not applicable, or a run was
+    not clean (the caller finishes machine by machine; nothing taken so far is undone)."""
+    recl = _RECL
+    for _, lst in lists:
+        if recl(lst[0]) != recl(lst[-1]):
+            return False
+    ordered = cy._band.get(id(lists))
+    if ordered is None:
+        ordered = cy._band[id(lists)] = sorted(lists, key=lambda t: (t[0].price, -recl(t[1][0]), t[0].sort_key))
+    held = cy.held.get(n.cluster)
+    if held is None:
+        held = cy.held[n.cluster] = {}
+    alloc = cy.alloc
+    bcur = cy.bcur
+    cluster = n.cluster
+    cur_a: Vec | None = None
+    k_left = 0
+    taken = 0
+    all_taken = 0
+    clean = True
+    for c, lst in ordered:
+        a = alloc[c.idx]
+        if a != cur_a:
+            if cur_a is not None and taken:
+                n.remaining = _sub(n.remaining, tuple([x * taken for x in cur_a]))
+            if not any(n.remaining):
+                cur_a = None
+                break
+            cur_a, taken = a, 0
+            k_left = _units_to_cover(n.remaining, a, 1 << 62)
+        if k_left <= 0:
+            continue
+        ck = (cluster, state, c.idx)
+        i = bcur.get(ck, 0)
+        size = len(lst)
+        while i < size and lst[i].id in held:
+            i += 1
+        k = min(size - i, k_left)
+        if k <= 0:
+            bcur[ck] = i
+            continue
+        chunk = lst[i:i + k]
+        ids = list(map(_ID, chunk))
+        if any(map(held.__contains__, ids)):
+            bcur[ck] = i
+            clean = False
+            break
+        held.update(zip(ids, repeat(n)))
+        n.claimed.extend(chunk)
+        n.credited += k
+        bcur[ck] = i + k
+        k_left -= k
+        taken += k
+        all_taken += k
+    if cur_a is not None and taken:
+        n.remaining = _sub(n.remaining, tuple([x * taken for x in cur_a]))
+    if state == CONFIGURED and all_taken:
+        cy.hconf[cluster] = cy.hconf.get(cluster, 0) + all_taken
+    return clean
+
+
 def _bulk_hold(cy: _Cycle, n: _N, state: int, c: MClass, lst: list[Machine]) -> bool:
     """Credit a whole run of one class at once (C-level dict update); False if the run is not clean."""
     held = cy.held.get(n.cluster)
@@ -405,18 +470,8 @@ def _credit_plain(cy: _Cycle, n: _N) -> None:
         if len(lists) == 1:
             if _bulk_hold(cy, n, state, lists[0][0], lists[0][1]):
                 continue
-        elif lists and all(_RECL(lst[0]) == _RECL(lst[-1]) for _, lst in lists):
-            # every class has one reclamation value: keep order is class after class
-            ordered = sorted(lists, key=lambda t: (t[0].price, -_RECL(t[1][0]), t[0].sort_key))
-            clean = True
-            for c, lst in ordered:
-                if not any(n.remaining):
-                    break
-                if not _bulk_hold(cy, n, state, c, lst):
-                    clean = False
-                    break
-            if clean:
-                continue
+        elif lists and _band_hold(cy, n, state, lists):
+            continue
         for c, m in _keep_stream(cy, n, state, lists):
             if not any(n.remaining):
                 return
