@@ -102,6 +102,10 @@ async def test_hello_ack_rollup_ack_and_validation_all_or_nothing(harness: Harne
         assert "aggregate_resources" in op.acks("rollup-rejected:")[0].echo or "cpu" in op.acks("rollup-rejected:")[0].echo
         assert harness.table.cluster("c1") == before
         assert len(op.acks("rollup")) == 1
+        # a roll-up naming another cluster is refused on this stream
+        await op.send_rollup([need("1")], cluster_id="someone-else")
+        await until(lambda: len(op.acks("rollup-rejected:")) == 2, what="foreign roll-up rejected")
+        assert harness.table.cluster("someone-else") == ()
         # a mid-stream Hello is answered, not fatal
         await op.send(shard_pb2.OperatorMessage(hello=shard_pb2.Hello(cluster_id="c1")))
         await until(lambda: len(op.acks("hello")) == 2, what="second hello ack")

@@ -18,6 +18,7 @@ from bigfleet.decision.types import Configure, Create, Decision, Delete, Drain, 
 from bigfleet.machine import MachineState
 from bigfleet.needs import Need, ValidationError, requirement_to_proto, rollup_from_proto
 from bigfleet.observability import get_logger
+from bigfleet.security.limits import LimitExceeded, check_rollup
 from bigfleet.shard import availability
 from bigfleet.shard.executor import Binding, Executor, ExecutorConfig
 from bigfleet.shard.guard import EmptyRollupGuard, GuardConfig
@@ -123,8 +124,9 @@ class ShardDaemon:
             fixed.cluster_id = cluster_id
             pb = fixed
         try:
+            check_rollup(pb)  # size bounds first: cheap, and before anything is decoded
             _, needs = rollup_from_proto(pb, now)
-        except ValidationError as exc:
+        except (ValidationError, LimitExceeded) as exc:
             self.metrics.rollups_rejected.labels(cluster_id).inc()
             log.warning("roll-up rejected", cluster=cluster_id, error=str(exc))
             return RollupOutcome(False, error=str(exc))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from bigfleet.observability import get_logger
+from bigfleet.security.limits import LimitExceeded, check_bootstrap_response
 from bigfleet.security.roles import session_denial
 from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.shard.outbox import Outbox, OutboxOverflow
@@ -131,6 +132,11 @@ class OperatorSession:
     def deliver_bootstrap(self, resp: shard_pb2.BootstrapBlobResponse) -> None:
         fut = self._bootstrap_waiters.get(resp.request_id)
         if fut is not None and not fut.done():
+            try:
+                check_bootstrap_response(resp)
+            except LimitExceeded as exc:  # never forward an oversized blob to a provider
+                fut.set_result(BootstrapResult(b"", 0, f"bootstrap response refused: {exc}"))
+                return
             fut.set_result(BootstrapResult(bytes(resp.user_data), int(resp.ttl_seconds), resp.error))
 
     def deliver_reclaim_ack(self, ack: shard_pb2.ReclaimAck) -> None:
@@ -280,6 +286,9 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
                 continue
             if pb.cluster_id and pb.cluster_id != session.cluster_id:
                 log.warning("roll-up for another cluster rejected", cluster=session.cluster_id, claimed=pb.cluster_id)
+                if self.registry.metrics:
+                    self.registry.metrics.rollups_rejected.labels(session.cluster_id).inc()
+                session.send(self._ack(f"rollup-rejected: cluster_id: {pb.cluster_id[:128]!r} is not this session's cluster"))
                 continue
             try:
                 outcome = await self._on_rollup(session.cluster_id, pb)
