@@ -129,3 +129,28 @@ async def test_controller_creates_one_cr_per_unschedulable_pod_and_cleans_up(tmp
             await task
         await api.close()
         await srv.stop()
+
+
+async def test_all_pods_mode_covers_running_pods_but_not_terminal_ones(tmp_path: Path) -> None:
+    srv = await KubeTestServer(bookmark_interval=0.5).start()
+    api = await config.new_client_from_config(config_file=str(srv.kubeconfig(tmp_path / "kc")))
+    s = srv.store
+    running = pod("web", [ctr("1")], unschedulable=False)
+    running["status"] = {"phase": "Running"}
+    done = pod("batch", [ctr("1")], unschedulable=False)
+    done["status"] = {"phase": "Succeeded"}
+    s.put(running)
+    s.put(done)
+    ctl = PodController(api, all_pods=True)
+    task = asyncio.create_task(ctl.run())
+    try:
+        crs = await eventually(lambda: s.objects("capacityrequests"))
+        await asyncio.sleep(0.3)
+        assert [c["metadata"]["ownerReferences"][0]["name"] for c in s.objects("capacityrequests")] == ["web"]
+        assert len(crs) == 1
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await api.close()
+        await srv.stop()
