@@ -159,3 +159,17 @@ def test_independent_sessions_do_not_share_budgets() -> None:
     noisy.on_frame(0.0)
     assert noisy.on_frame(0.0) is Verdict.CLOSE
     assert quiet.on_frame(0.0) is Verdict.ACCEPT and quiet.on_rollup(0.0) is Verdict.ACCEPT
+
+
+def test_operator_frame_checks() -> None:
+    from bigfleet.security.limits import check_operator_frame
+
+    check_operator_frame(spb.OperatorMessage(hello=spb.Hello(cluster_id="c", protocol_version="v1alpha1")))
+    check_operator_frame(spb.OperatorMessage(rollup=cap.ClusterCapacityNeeds(cluster_id="x" * 999)))  # left to the decoder
+    check_operator_frame(spb.OperatorMessage())
+    with pytest.raises(LimitExceeded, match=r"hello\.cluster_id"):
+        check_operator_frame(spb.OperatorMessage(hello=spb.Hello(cluster_id="c" * 254)))
+    with pytest.raises(LimitExceeded, match="user_data"):
+        check_operator_frame(spb.OperatorMessage(bootstrap_response=spb.BootstrapBlobResponse(user_data=b"x" * 11)), SMALL)
+    with pytest.raises(LimitExceeded, match=r"instruction_id"):
+        check_operator_frame(spb.OperatorMessage(reclaim_ack=spb.ReclaimAck(instruction_id="i" * 65)))

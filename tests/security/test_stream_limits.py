@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from bigfleet.rpc import new_server
 from bigfleet.security import SHARD_POLICY, RoleInterceptor, add_port, dial
-from bigfleet.security.limits import StreamLimit, ThrottleConfig, is_rollup_frame
+from bigfleet.security.limits import StreamLimit, ThrottleConfig, check_operator_frame, is_rollup_frame
 from bigfleet.v1alpha1 import capacity_pb2 as capb
 from bigfleet.v1alpha1 import shard_pb2 as spb
 from bigfleet.v1alpha1 import shard_pb2_grpc as sgrpc
@@ -20,7 +20,7 @@ from .servers import Shard
 
 SESSION = "/bigfleet.v1alpha1.Shard/Session"
 LIMIT = StreamLimit(ThrottleConfig(rollups_per_second=5, rollup_burst=3, hard_frames_per_second=50, hard_frame_burst=100),
-                    is_rollup_frame)
+                    is_rollup_frame, check_operator_frame)
 
 
 @pytest.fixture
@@ -94,4 +94,25 @@ async def test_frame_flood_closes_only_that_session(shard: tuple[int, CollectorR
         assert closes == 1
         await calm.write(rollup("calm"))
         assert (await calm.read()).ack.echo == "rollup"
+        await calm.done_writing()
+
+
+async def test_oversized_bootstrap_blob_closes_only_that_session(shard: tuple[int, CollectorRegistry]) -> None:
+    port, registry = shard
+    async with dial(f"127.0.0.1:{port}", None) as ch:
+        big = await open_session(ch, "big")
+        calm = await open_session(ch, "calm")
+        blob = spb.BootstrapBlobResponse(request_id="r1", user_data=b"x" * ((1 << 20) + 1))
+        await big.write(spb.OperatorMessage(bootstrap_response=blob))
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            while (await big.read()) is not grpc.aio.EOF:
+                pass
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "user_data" in (ei.value.details() or "")
+        assert registry.get_sample_value("bigfleet_shard_stream_throttled_total",
+                                         {"method": SESSION, "action": "oversize"}) == 1
+        ok = spb.BootstrapBlobResponse(request_id="r2", user_data=b"#cloud-config\n")
+        await calm.write(spb.OperatorMessage(bootstrap_response=ok))
+        await calm.write(rollup("calm"))
+        assert (await calm.read()).ack.echo == "rollup"  # the ack for the bootstrap response frame
         await calm.done_writing()

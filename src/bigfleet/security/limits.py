@@ -253,6 +253,27 @@ def is_rollup_frame(msg: Any) -> bool:
     return bool(which is not None and which("payload") == "rollup")
 
 
+def _no_check(_msg: Any) -> None:
+    return None
+
+
+def check_operator_frame(msg: Any, limits: Limits = DEFAULT_LIMITS) -> None:
+    """Per-frame bounds on ``Shard.Session`` input that no decoder downstream enforces.
+
+    Roll-ups are left to the shard's roll-up validation (a bad roll-up is rejected and the
+    cluster keeps its last good demand; the session stays up).
+    """
+    which = getattr(msg, "WhichOneof", None)
+    kind = which("payload") if which is not None else None
+    if kind == "hello":
+        _text(msg.hello.cluster_id, limits.max_id_len, "hello.cluster_id")
+        _text(msg.hello.protocol_version, 64, "hello.protocol_version")
+    elif kind == "bootstrap_response":
+        check_bootstrap_response(msg.bootstrap_response, limits)
+    elif kind == "reclaim_ack":
+        _text(msg.reclaim_ack.instruction_id, limits.max_request_id_len, "reclaim_ack.instruction_id")
+
+
 @dataclass(frozen=True)
 class StreamLimit:
     """Rate limits for one streaming method, applied per call by the RoleInterceptor.
@@ -260,11 +281,13 @@ class StreamLimit:
     Frames for which ``soft(msg)`` is true are *paced*: the next read waits for a token, so
     the sender's own flow control (and its one-slot roll-up queue) absorbs the excess and
     only that stream slows down. Every frame counts against the hard bucket; over it the call
-    ends with RESOURCE_EXHAUSTED.
+    ends with RESOURCE_EXHAUSTED, as it does when ``check`` raises LimitExceeded for a frame.
     """
 
     config: ThrottleConfig = field(default_factory=ThrottleConfig)
     soft: Callable[[Any], bool] = _always
+    # Raises LimitExceeded for a frame over a size bound; the call ends with RESOURCE_EXHAUSTED.
+    check: Callable[[Any], None] = _no_check
 
 
-SESSION_STREAM_LIMIT = StreamLimit(ThrottleConfig(), is_rollup_frame)
+SESSION_STREAM_LIMIT = StreamLimit(ThrottleConfig(), is_rollup_frame, check_operator_frame)

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from bigfleet.observability import get_logger
 from bigfleet.security.identity import Identity, IdentityError, Role, identity_from_auth_context
-from bigfleet.security.limits import SessionThrottle, StreamLimit, Verdict
+from bigfleet.security.limits import LimitExceeded, SessionThrottle, StreamLimit, Verdict
 
 log = get_logger("bigfleet.security.roles")
 
@@ -267,6 +267,12 @@ class _StreamGuard:
 
     async def admit(self, msg: Any, context: grpc.aio.ServicerContext) -> None:
         loop = asyncio.get_running_loop()
+        try:
+            self.limit.check(msg)
+        except LimitExceeded as exc:
+            self.counters.throttle(self.method, "oversize")
+            log.warning("stream_closed_frame_over_limit", method=self.method, peer=context.peer(), error=str(exc))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"frame over a size limit: {exc}")
         if self.throttle.on_frame(loop.time()) is Verdict.CLOSE:
             self.counters.throttle(self.method, "close")
             log.warning("stream_closed_over_frame_rate", method=self.method, peer=context.peer())
