@@ -266,7 +266,7 @@ def _session_seed() -> bytes:
 def _t_session_frame() -> Harness:
     from google.protobuf.message import DecodeError
 
-    from bigfleet.security.limits import LimitExceeded, check_bootstrap_response
+    from bigfleet.security.limits import LimitExceeded, check_operator_frame, is_rollup_frame
     from bigfleet.v1alpha1 import shard_pb2
 
     pipeline = _rollup_pipeline()
@@ -276,14 +276,12 @@ def _t_session_frame() -> Harness:
             msg = shard_pb2.OperatorMessage.FromString(data)
         except DecodeError as exc:
             raise Rejected(str(exc)) from None
-        kind = msg.WhichOneof("payload")
-        if kind == "rollup":
+        try:
+            check_operator_frame(msg)  # what the Session interceptor applies to every frame
+        except LimitExceeded as exc:
+            raise Rejected(str(exc)) from None
+        if is_rollup_frame(msg):
             pipeline(msg.rollup)
-        elif kind == "bootstrap_response":
-            try:
-                check_bootstrap_response(msg.bootstrap_response)
-            except LimitExceeded as exc:
-                raise Rejected(str(exc)) from None
 
     return harness
 
