@@ -353,6 +353,17 @@ def reference_errors(docs: list[Doc]) -> list[str]:
         if not any(_matches(sel, t["metadata"].get("labels", {})) for _, t in templates):
             errors.append(f"{name_of(pdb)}: selector matches no pod template")
 
+    for np in by_kind.get("NetworkPolicy", {}).values():
+        sel = np["spec"]["podSelector"].get("matchLabels", {})
+        selected = [t for _, t in templates if _matches(sel, t["metadata"].get("labels", {}))]
+        if not selected:
+            errors.append(f"{name_of(np)}: podSelector matches no pod template")
+        open_ports = {p["containerPort"] for t in selected for c in t["spec"]["containers"] for p in c.get("ports", [])}
+        for rule in np["spec"].get("ingress", []):
+            for port in rule.get("ports", []):
+                if port["port"] not in open_ports:
+                    errors.append(f"{name_of(np)}: admits port {port['port']}, which its pods do not listen on")
+
     for binding_kind, role_kind in (("ClusterRoleBinding", "ClusterRole"), ("RoleBinding", "Role")):
         for b in by_kind.get(binding_kind, {}).values():
             if b["roleRef"]["name"] not in by_kind.get(role_kind, {}):

@@ -493,3 +493,20 @@ def test_rendered_argv_parses_in_the_daemon(chart: str, label: str, subcommand: 
     assert argv[0] == subcommand
     code, out = cc.run_cli([*argv, "--help"])
     assert code == 0, f"{argv}\n{out}"
+
+
+def test_network_policies_fence_raft_ports_to_group_members() -> None:
+    docs = rendered("bigfleet", "full-values.yaml")
+    policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
+    assert set(policies) == {"fleet-coordinator", "fleet-shard-0", "fleet-shard-1", "fleet-shard-2"}
+    for i in range(3):
+        spec = policies[f"fleet-shard-{i}"]["spec"]
+        raft_rule = next(r for r in spec["ingress"] if any(p["port"] == 7781 for p in r["ports"]))
+        (peer,) = raft_rule["from"]
+        assert peer["podSelector"]["matchLabels"]["bigfleet.lucy.sh/shard-id"] == f"shard-{i}"
+        open_rule = next(r for r in spec["ingress"] if "from" not in r)
+        assert {p["port"] for p in open_rule["ports"]} == {7780, 8780}
+    assert not [d for d in rendered("bigfleet", "minimal-values.yaml") if d["kind"] == "NetworkPolicy"]
+    broken = copy.deepcopy(docs)
+    find(broken, "NetworkPolicy", "fleet-shard-0")["spec"]["ingress"][0]["ports"][0]["port"] = 9999
+    assert any("9999" in e for e in cc.reference_errors(broken))
