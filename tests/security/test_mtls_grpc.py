@@ -306,3 +306,42 @@ async def test_malformed_frames_end_only_their_call_with_invalid_argument(pki: P
             await good.done_writing()
     finally:
         await srv.stop(None)
+
+
+async def test_rotating_channel_presents_the_rotated_client_certificate(pki: Pki, tmp_path: Path) -> None:
+    import shutil
+
+    from bigfleet.security import RotatingChannel
+
+    srv, port, _ = await start(cfg(pki, "shard-0"))
+    crt, key = tmp_path / "me.crt", tmp_path / "me.key"
+    shutil.copy(pki.root / "readonly.crt", crt)
+    shutil.copy(pki.root / "readonly.key", key)
+    me = TLSConfig.from_paths(crt, key, pki.ca_file)
+    rotating = RotatingChannel(f"127.0.0.1:{port}", me, grace=0.1)
+    static = dial(f"127.0.0.1:{port}", me)
+    req = cpb.AssignDomainRequest(topology_key="zone", topology_value="r", shard_id="shard-0")
+
+    async def code(ch: grpc.aio.Channel) -> grpc.StatusCode:
+        try:
+            await cgrpc.CoordinatorStub(ch).AssignDomain(req, timeout=10)
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+        return grpc.StatusCode.OK
+
+    try:
+        assert await code(rotating.get()) == PD and await code(static) == PD
+        assert rotating.get() is rotating.get()  # nothing changed: same channel
+        # Rotate to the admin identity: key first (a half-written pair must not be used) ...
+        shutil.copy(pki.root / "admin.key", key)
+        _bump(key, 2_000_000_000_000_000_000)
+        assert await code(rotating.get()) == PD and rotating.redials == 0
+        # ... then the certificate.
+        shutil.copy(pki.root / "admin.crt", crt)
+        _bump(crt, 2_000_000_000_000_000_001)
+        assert await code(rotating.get()) == grpc.StatusCode.OK and rotating.redials == 1
+        assert await code(static) == PD  # a plain channel keeps its old certificate
+    finally:
+        await rotating.close()
+        await static.close()
+        await srv.stop(None)

@@ -42,6 +42,7 @@ from bigfleet.security.roles import (
 )
 from bigfleet.security.tls import (
     KeyPairReloader,
+    RotatingChannel,
     TLSConfig,
     TLSConfigError,
     add_port,
@@ -67,6 +68,7 @@ __all__ = [
     "RaftPasswordError",
     "Role",
     "RoleInterceptor",
+    "RotatingChannel",
     "TLSConfig",
     "TLSConfigError",
     "add_port",

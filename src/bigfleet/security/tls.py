@@ -18,6 +18,7 @@ is answered PERMISSION_DENIED.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import threading
 from collections.abc import Sequence
@@ -253,6 +254,54 @@ def dial(target: str, tls: TLSConfig | None, extra: Sequence[tuple[str, Any]] = 
     if tls is None:
         return grpc.aio.insecure_channel(target, options=channel_options(extra))
     return grpc.aio.secure_channel(target, tls.channel_credentials(), options=tls.channel_options(extra))
+
+
+class RotatingChannel:
+    """An asyncio channel that is re-dialled when this process's certificate files change.
+
+    gRPC Python's client credentials are static: a long-lived channel keeps presenting the
+    certificate it was built with, even after rotation, until that certificate expires. Call
+    :meth:`get` per RPC (or per batch): it stats the cert and key (cheap) and, after a rotation
+    that loads cleanly, returns a new channel; the old one is closed after ``grace`` seconds so
+    calls in flight on it can finish. Plaintext configs never re-dial.
+    """
+
+    def __init__(
+        self, target: str, tls: TLSConfig | None, extra: Sequence[tuple[str, Any]] = (), grace: float = 30.0
+    ) -> None:
+        self.target, self.tls, self.extra, self.grace = target, tls, list(extra), grace
+        self.redials = 0
+        self._seen = _mtimes(tls.cert_file, tls.key_file) if tls else None
+        self._channel = dial(target, tls, self.extra)
+        self._retiring: set[asyncio.Task[None]] = set()
+
+    def get(self) -> grpc.aio.Channel:
+        if self.tls is None:
+            return self._channel
+        now = _mtimes(self.tls.cert_file, self.tls.key_file)
+        if now is None or now == self._seen:
+            return self._channel
+        try:
+            fresh = dial(self.target, self.tls, self.extra)
+        except TLSConfigError as exc:  # half-written rotation: keep the old channel for now
+            log.warning("tls_client_redial_deferred", target=self.target, error=str(exc))
+            return self._channel
+        old, self._channel, self._seen = self._channel, fresh, now
+        self.redials += 1
+        log.info("tls_client_redialled_after_rotation", target=self.target, redials=self.redials)
+        task = asyncio.get_running_loop().create_task(self._retire(old))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+        return fresh
+
+    async def _retire(self, ch: grpc.aio.Channel) -> None:
+        await asyncio.sleep(self.grace)
+        await ch.close()
+
+    async def close(self) -> None:
+        for t in list(self._retiring):
+            t.cancel()
+        await self._channel.close()
 
 
 def dial_sync(target: str, tls: TLSConfig | None, extra: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
