@@ -64,7 +64,11 @@ async def run(args: argparse.Namespace, tls: TLSConfig | None = None) -> int:
     if args.metrics_addr not in ("", "0"):
         listen = args.metrics_addr if not args.metrics_addr.startswith(":") else "0.0.0.0" + args.metrics_addr
         start_metrics_server(listen, metrics.registry)
-    api = await api_client(args.kubeconfig or None, args.qps, args.burst)
+    try:
+        api = await api_client(args.kubeconfig or None, args.qps, args.burst)
+    except Exception as exc:  # no kubeconfig and not in a cluster, unreadable file, ...
+        log.error("cannot configure the Kubernetes client", error=f"{type(exc).__name__}: {exc}")
+        return 1
     token = await _join_token(api, args.namespace, args.join_token_secret) if args.join_token_secret else ""
     cfg = OperatorConfig(
         cluster_id=args.cluster_id,
@@ -103,8 +107,8 @@ async def run(args: argparse.Namespace, tls: TLSConfig | None = None) -> int:
 def main(argv: list[str]) -> int:
     ap = parser()
     args = ap.parse_args(argv)
-    if not args.shard_addr and not args.coordinator:
-        ap.error("one of --shard-addr or --coordinator is required")
+    if bool(args.shard_addr) == bool(args.coordinator):
+        ap.error("exactly one of --shard-addr or --coordinator is required")
     tls = tls_from_args_or_exit(ap, args)
     configure_logging(args.log_level, args.log_format, component="operator")
     return asyncio.run(run(args, tls))

@@ -31,7 +31,12 @@ def parser() -> argparse.ArgumentParser:
 
 async def run(args: argparse.Namespace) -> int:
     defaults = yaml.safe_load(Path(args.priority_class_defaults).read_text()) if args.priority_class_defaults else {}
-    api = await api_client(args.kubeconfig or None, args.qps, args.burst)
+    try:
+        api = await api_client(args.kubeconfig or None, args.qps, args.burst)
+    except Exception as exc:
+        get_logger("bigfleet.podcontroller").error("cannot configure the Kubernetes client",
+                                                   error=f"{type(exc).__name__}: {exc}")
+        return 1
     metrics = PodControllerMetrics()
     if args.metrics_addr not in ("", "0"):
         listen = args.metrics_addr if not args.metrics_addr.startswith(":") else "0.0.0.0" + args.metrics_addr
