@@ -44,14 +44,14 @@ def proc_rss_mb(pid: int) -> float:
 ZONES = ("us-east-1a", "us-east-1b", "us-east-1c", "us-central1-a", "us-central1-b")
 
 
-def rollup(cluster: str, i: int, rnd: random.Random) -> capacity_pb2.ClusterCapacityNeeds:
+def rollup(cluster: str, variant: int, rnd: random.Random | None = None) -> capacity_pb2.ClusterCapacityNeeds:
     needs = []
     for k in range(10):
         reqs = [capacity_pb2.NodeSelectorRequirement(
             key="topology.kubernetes.io/zone", operator=capacity_pb2.NodeSelectorRequirement.OPERATOR_IN,
             values=[ZONES[k % len(ZONES)]])]
         # one need changes every time, so the table changes and cycles are triggered
-        cpu = 1000 * (1 + (k % 3)) + (rnd.randrange(4) * 100 if k == 0 else 0)
+        cpu = 1000 * (1 + (k % 3)) + (variant * 100 if k == 0 else 0)
         needs.append(capacity_pb2.CapacityNeed(
             requirements=reqs, aggregate_resources={"cpu": f"{cpu}m", "memory": f"{2 + k % 4}Gi"},
             priority=(hash(cluster) % 1000) * 10 + k, min_unit={"cpu": "500m", "memory": "1Gi"},
@@ -61,35 +61,47 @@ def rollup(cluster: str, i: int, rnd: random.Random) -> capacity_pb2.ClusterCapa
 
 class Session:
     def __init__(self, stub: shard_pb2_grpc.ShardStub, cluster: str, interval: float, lat: list[float],
-                 stop: asyncio.Event) -> None:
+                 stop: asyncio.Event, change_fraction: float = 0.1) -> None:
+        self.change_fraction = change_fraction
         self.stub, self.cluster, self.interval, self.lat, self.stop = stub, cluster, interval, lat, stop
         self.pending: list[float] = []
         self.ready = asyncio.Event()
         self.sent = 0
         self.frames = 0
         self.error = ""
+        self.reconnects = 0
 
     async def run(self, start_delay: float, measure_from: list[float]) -> None:
-        call = self.stub.Session()
-        await call.write(shard_pb2.OperatorMessage(hello=shard_pb2.Hello(cluster_id=self.cluster,
-                                                                          protocol_version="v1alpha1")))
-        reader = asyncio.create_task(self._read(call, measure_from))
+        """Open the stream (reconnecting like an operator would if the open fails), then roll up."""
         rnd = random.Random(self.cluster)
-        try:
-            await asyncio.sleep(start_delay)
-            await self._loop(call, rnd)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-            self.error = repr(exc)
-        finally:
-            call.cancel()
-            reader.cancel()
+        t_first = time.perf_counter() + start_delay
+        while not self.stop.is_set():
+            call = self.stub.Session()
+            reader = asyncio.create_task(self._read(call, measure_from))
+            try:
+                await call.write(shard_pb2.OperatorMessage(hello=shard_pb2.Hello(cluster_id=self.cluster,
+                                                                                  protocol_version="v1alpha1")))
+                await asyncio.sleep(max(0.0, t_first - time.perf_counter()))
+                await self._loop(call, rnd)
+                return
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+                self.error = repr(exc)
+                self.reconnects += 1
+                self.pending.clear()
+                await asyncio.sleep(0.5 + rnd.random())
+            finally:
+                call.cancel()
+                reader.cancel()
 
     async def _loop(self, call: grpc.aio.StreamStreamCall, rnd: random.Random) -> None:
         if True:
             n = 0
+            variant = 0
             while not self.stop.is_set():
+                if n and rnd.random() < self.change_fraction:
+                    variant = (variant + 1) % 4  # this cluster's demand changed
                 self.pending.append(time.perf_counter())
-                await call.write(shard_pb2.OperatorMessage(rollup=rollup(self.cluster, n, rnd)))
+                await call.write(shard_pb2.OperatorMessage(rollup=rollup(self.cluster, variant)))
                 self.sent += 1
                 n += 1
                 try:
@@ -141,7 +153,8 @@ async def drive(args: argparse.Namespace, shard_addr: str, pid: int, metrics_url
     lat: list[float] = []
     measure_from: list[float] = []
     rss0 = proc_rss_mb(pid)
-    sessions = [Session(stubs[i % len(stubs)], f"bench-{i:05d}", args.interval, lat, stop) for i in range(args.sessions)]
+    sessions = [Session(stubs[i % len(stubs)], f"bench-{i:05d}", args.interval, lat, stop, args.change_fraction)
+                for i in range(args.sessions)]
     t_open = time.perf_counter()
     tasks = []
     for i, s in enumerate(sessions):
@@ -153,7 +166,7 @@ async def drive(args: argparse.Namespace, shard_addr: str, pid: int, metrics_url
     while not all(s.ready.is_set() for s in sessions):
         if time.monotonic() > deadline:
             ready = sum(s.ready.is_set() for s in sessions)
-            errs = [s.error for s in sessions if s.error][:3]
+            errs = [s.error for s in sessions if s.error and not s.ready.is_set()][:3]
             raise RuntimeError(f"only {ready}/{len(sessions)} sessions acknowledged Hello; errors: {errs}")
         await asyncio.sleep(0.1)
     open_s = time.perf_counter() - t_open
@@ -176,7 +189,7 @@ async def drive(args: argparse.Namespace, shard_addr: str, pid: int, metrics_url
         await ch.close()
     lat.sort()
     n = len(lat)
-    errors = [s.error for s in sessions if s.error]
+    errors = [s.error for s in sessions if s.error and not s.ready.is_set()]
     cycles = metric_value(text1, "bigfleet_shard_cycles_total") - metric_value(text0, "bigfleet_shard_cycles_total")
     return {
         "sessions": args.sessions,
@@ -197,6 +210,7 @@ async def drive(args: argparse.Namespace, shard_addr: str, pid: int, metrics_url
         "shard_rss_open_mb": rss_open,
         "shard_rss_load_mb": rss_load,
         "rss_per_session_kb": (rss_open - rss0) * 1024 / args.sessions,
+        "session_reconnects": sum(s.reconnects for s in sessions),
         "sessions_failed": len(errors),
         "cpu_ms_per_rollup": (cpu_m1 - cpu_m0) * 1000 / n if n else float("nan"),
     }
@@ -208,6 +222,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--interval", type=float, default=10.0, help="seconds between a session's roll-ups")
     p.add_argument("--duration", type=float, default=float(os.environ.get("BENCH_SHARD_DURATION", "30")))
     p.add_argument("--channels", type=int, default=8)
+    p.add_argument("--change-fraction", type=float, default=0.1,
+                   help="probability a roll-up differs from the session's previous one (1.0 = always)")
     p.add_argument("--machines", type=int, default=5000, help="speculative slots at the fake provider")
     p.add_argument("--committed", type=int, default=1000, help="idle committed hosts at the fake provider")
     p.add_argument("--actuate", action="store_true", help="execute actions (default: --dry-run, cycles still run)")
@@ -239,7 +255,8 @@ def main(argv: list[str]) -> int:
     print("| metric | value |\n|---|---|")
     for k, v in res.items():
         print(f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |")
-    print(f"\n(mode: {'actuate' if args.actuate else 'dry-run'}, machines {args.machines}+{args.committed}, "
+    print(f"\n(mode: {'actuate' if args.actuate else 'dry-run'}, change fraction {args.change_fraction}, "
+          f"machines {args.machines}+{args.committed}, "
           f"interval {args.interval}s, duration {args.duration}s, logs {logdir})")
     return 0
 

@@ -66,6 +66,24 @@ async def test_rollup_validation_is_all_or_nothing(daemon: ShardDaemon) -> None:
     assert len(daemon.store.table.cluster("c2")) == 1
 
 
+async def test_identical_rollup_is_acked_without_reapplying(daemon: ShardDaemon) -> None:
+    r = rollup("c1", [need("1"), need("2", priority=7)])
+    assert (await daemon.handle_rollup("c1", r)).accepted
+    gen = daemon.store.table.generation
+    r.timestamp_unix_nanos = 12345  # only the timestamp differs
+    assert (await daemon.handle_rollup("c1", r)).accepted
+    assert daemon.store.table.generation == gen
+    # a real change is applied
+    assert (await daemon.handle_rollup("c1", rollup("c1", [need("3")]))).accepted
+    assert daemon.store.table.generation == gen + 1
+    # and a rejected roll-up never poisons the shortcut
+    bad = rollup("c1", [need("1")])
+    bad.needs[0].priority = 5
+    bad.needs[0].interruption_penalty_bucket = 99  # type: ignore[assignment]
+    assert not (await daemon.handle_rollup("c1", bad)).accepted
+    assert not (await daemon.handle_rollup("c1", bad)).accepted
+
+
 async def test_empty_rollup_guard_holds_a_collapse(daemon: ShardDaemon) -> None:
     many = [need("1", priority=p) for p in range(12)]
     assert (await daemon.handle_rollup("c1", rollup("c1", many))).accepted
