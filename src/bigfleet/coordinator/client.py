@@ -46,6 +46,12 @@ class CoordinatorUnavailable(Exception):
     """No coordinator replica answered as leader."""
 
 
+class _NoLeader(Exception):
+    def __init__(self, msg: str, answered: bool) -> None:
+        super().__init__(msg)
+        self.answered = answered  # some replica is up (said "not leader"): an election may be on
+
+
 class UnsupportedInstruction(Exception):
     """Raised by a handler for an instruction kind it does not implement (acked REJECTED_INVALID)."""
 
@@ -100,20 +106,39 @@ class CoordinatorClient:
         return self._leader
 
     async def call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        """Call the leader. While replicas answer but none is leader (an election, or a new
+        leader still catching up) it retries for up to the timeout, so a failover looks like a
+        slow call rather than an error; a "not leader" answer means nothing was executed."""
+        budget = timeout or self.timeout
+        deadline = asyncio.get_running_loop().time() + budget
+        delay = 0.05
+        while True:
+            try:
+                return await self._call_once(method, request, budget)
+            except _NoLeader as exc:
+                left = deadline - asyncio.get_running_loop().time()
+                if not exc.answered or left <= delay:
+                    raise CoordinatorUnavailable(str(exc)) from None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    async def _call_once(self, method: str, request: Any, timeout: float) -> Any:
         order = ([self._leader] if self._leader else []) + [a for a in self.addresses if a != self._leader]
         tried: set[str] = set()
         errors: list[str] = []
+        answered = False
         while order:
             addr = order.pop(0)
             if addr in tried:
                 continue
             tried.add(addr)
             try:
-                resp = await getattr(self.stub(addr), method)(request, timeout=timeout or self.timeout)
+                resp = await getattr(self.stub(addr), method)(request, timeout=timeout)
             except grpc.aio.AioRpcError as err:
                 code = err.code()
                 if code == grpc.StatusCode.FAILED_PRECONDITION and "not leader" in (err.details() or ""):
                     hint = _leader_hint(err)
+                    answered = True
                     errors.append(f"{addr}: not leader")
                     if hint and hint not in tried:
                         order.insert(0, hint)
@@ -127,7 +152,7 @@ class CoordinatorClient:
                 raise
             self._leader = addr
             return resp
-        raise CoordinatorUnavailable("no coordinator leader reachable (" + "; ".join(errors) + ")")
+        raise _NoLeader("no coordinator leader reachable (" + "; ".join(errors) + ")", answered)
 
     async def stream(self, method: str, request: Any) -> Any:
         """A server-streaming call on the leader (found with a cheap unary probe first)."""
@@ -411,14 +436,29 @@ class HeartbeatLoop:
         return True
 
     async def _run_instructions(self) -> None:
-        while True:
-            ins = await self._work.get()
-            outcome, reason, mids = await self._dispatch(ins)
-            self.gate.finish(ins.instruction_id, outcome, reason, mids)
-            self._persist()
-            name = pb.InstructAck.Outcome.Name(outcome)  # type: ignore[arg-type]
-            self.log.info("instruction done", id=ins.instruction_id, kind=ins.WhichOneof("payload"), outcome=name, reason=reason)
-            self.kick()
+        """One at a time in sequence order, except cross-shard drains: they wait for
+        machines to drain (minutes) and must not hold up a handoff or a domain change."""
+        side: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                ins = await self._work.get()
+                if ins.WhichOneof("payload") == "cross_shard_drain":
+                    task = asyncio.create_task(self._run_one(ins))
+                    side.add(task)
+                    task.add_done_callback(side.discard)
+                else:
+                    await self._run_one(ins)
+        finally:
+            for t in side:
+                t.cancel()
+
+    async def _run_one(self, ins: pb.CoordinatorInstruction) -> None:
+        outcome, reason, mids = await self._dispatch(ins)
+        self.gate.finish(ins.instruction_id, outcome, reason, mids)
+        self._persist()
+        name = pb.InstructAck.Outcome.Name(outcome)  # type: ignore[arg-type]
+        self.log.info("instruction done", id=ins.instruction_id, kind=ins.WhichOneof("payload"), outcome=name, reason=reason)
+        self.kick()
 
     async def _dispatch(self, ins: pb.CoordinatorInstruction) -> tuple[int, str, list[str]]:
         kind = ins.WhichOneof("payload")

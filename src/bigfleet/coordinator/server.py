@@ -10,6 +10,7 @@ reports after a failover; everything else goes through Raft.
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -741,8 +742,6 @@ class CoordinatorService(pbg.CoordinatorServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"snapshot: {exc}")
         if meta["Index"] <= 0:
             await context.abort(grpc.StatusCode.NOT_FOUND, "no snapshot yet")
-        import json
-
         yield pb.SnapshotSaveChunk(meta_json=json.dumps(meta, sort_keys=True).encode())
         data = json.dumps(state, sort_keys=True).encode()
         for off in range(0, len(data), snap.CHUNK):
