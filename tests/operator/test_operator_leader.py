@@ -41,7 +41,11 @@ async def test_one_replica_streams_and_the_standby_takes_over(kube: KubeTestServ
     tb = asyncio.create_task(b.run())
     try:
         await eventually(lambda: shard.rollups, what="roll-up from the leader")
-        await asyncio.sleep(1.0)  # several renew periods: b must stay a standby
+        # b keeps polling the Lease (several renew periods) and must stay a standby meanwhile.
+        polls = kube.store.requests.get("GET /apis/coordination.k8s.io/v1/namespaces/default/leases/bigfleet-operator", 0)
+        await eventually(lambda: kube.store.requests.get(
+            "GET /apis/coordination.k8s.io/v1/namespaces/default/leases/bigfleet-operator", 0) >= polls + 8,
+            what="several Lease polls")
         assert b.elector is not None and not b.elector.leading.is_set()
         assert shard.sessions_opened == 1 and shard.max_active == 1
         lease = s.find("leases", "bigfleet-operator", "default")

@@ -231,8 +231,8 @@ async def test_shard_restart_reconnects_with_fresh_hello_and_rollup(kube: KubeTe
         await shard.stop()
         # While the shard is down nothing in the cluster changes, and demand keeps being tracked.
         s.put(cr("b", {"cpu": "1"}))
-        await asyncio.sleep(0.3)
-        assert op.metrics.reconnects._value.get() >= 1
+        await eventually(lambda: op.metrics.reconnects._value.get() >= 2, what="reconnect attempts")
+        await eventually(lambda: op.crs.get("default", "b"), what="b in the informer cache")
         assert s.find("capacityrequests", "b", "default").get("status") is None  # type: ignore[union-attr]
         shard2 = await FakeShard(port).start()
         try:

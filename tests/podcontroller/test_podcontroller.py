@@ -112,7 +112,8 @@ async def test_controller_creates_one_cr_per_unschedulable_pod_and_cleans_up(tmp
         for i in range(5):
             s.update_status("pods", "p1", {"phase": "Pending", "message": f"retry {i}",
                                            "conditions": p1["status"]["conditions"]}, "default")
-        await asyncio.sleep(0.3)
+        await eventually(lambda: ((ctl.pods.get("default", "p1") or {}).get("status") or {}).get("message")
+                         == "retry 4" and not ctl.queued)
         assert len(s.objects("capacityrequests")) == 1
         # A pod that turns terminal loses its CR; a deleted pod's CR is garbage-collected.
         p2 = s.put(pod("p2", [ctr("1")]))
@@ -145,7 +146,7 @@ async def test_all_pods_mode_covers_running_pods_but_not_terminal_ones(tmp_path:
     task = asyncio.create_task(ctl.run())
     try:
         crs = await eventually(lambda: s.objects("capacityrequests"))
-        await asyncio.sleep(0.3)
+        await eventually(lambda: ctl.pods.synced.is_set() and not ctl.queued)
         assert [c["metadata"]["ownerReferences"][0]["name"] for c in s.objects("capacityrequests")] == ["web"]
         assert len(crs) == 1
     finally:
