@@ -134,3 +134,49 @@ async def test_silent_shard_is_down_not_deleted(tmp_path: Path) -> None:
     finally:
         await c.close()
         await d.stop()
+
+
+async def test_heartbeat_loop_runs_a_handoff_while_a_drain_is_still_draining(
+    coord: tuple[CoordinatorDaemon, CoordinatorClient],
+) -> None:
+    from bigfleet.coordinator.client import BaseInstructionHandler, HeartbeatLoop
+
+    d, c = coord
+    release_started = asyncio.Event()
+    drain_gate = asyncio.Event()
+
+    class Donor(BaseInstructionHandler):
+        async def cross_shard_drain(self, msg: pb.CrossShardDrain) -> list[str]:
+            await drain_gate.wait()  # victims take minutes to drain
+            return []
+
+        async def release_cluster(self, msg: pb.ReleaseCluster) -> list[str]:
+            release_started.set()
+            return ["m1"]
+
+    await c.call("ReportShard", pb.ShardReport(shard_id="s1", shard_address="s1:1"))
+    await c.call("ReportShard", pb.ShardReport(shard_id="s2", shard_address="s2:1"))
+    await d.write({"op": "bind_cluster", "cluster_id": "k", "shard_id": "s1", "now": 1})
+    await d.write({"op": "start_transfer", "transfer_id": "drain-1", "kind": "drain", "from": "s1", "to": "s2", "now": 2, "preemptor_priority": 9})
+    await d.write({"op": "start_handoffs", "now": 3, "moves": [{"cluster_id": "k", "from": "s1", "to": "s2", "transfer_id": "h-1"}]})
+    loop = HeartbeatLoop(CoordinatorClient([d.grpc_address]), "s1", lambda: pb.ShardReport(), Donor(), interval=0.1)
+    task = asyncio.create_task(loop.run())
+    try:
+        await asyncio.wait_for(release_started.wait(), 10)
+
+        async def phase(tid: str) -> str:
+            return str(d.r().read(lambda st: st.transfers[tid].phase))
+
+        deadline = time.monotonic() + 10
+        while await phase("h-1") != "adopting":
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        assert await phase("drain-1") == "releasing"  # still draining, did not block the handoff
+        drain_gate.set()
+        while await phase("drain-1") != "done":
+            assert time.monotonic() < deadline + 10
+            await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await loop.client.close()
