@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transfer-cooldown", type=float, default=60.0)
     p.add_argument("--load-factor", type=float, default=1.25, help="bounded-load cap factor c")
     p.add_argument("--join-addr", default="", help="coordinator gRPC address(es) to ask for Raft membership")
+    p.add_argument(
+        "--bootstrap",
+        action="store_true",
+        help="accepted for compatibility with upstream manifests; not needed (the --raft-peers group forms itself)",
+    )
     p.add_argument("--raft-election-min", type=float, default=0.3)
     p.add_argument("--raft-election-max", type=float, default=0.6)
     try:
