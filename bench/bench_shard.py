@@ -71,20 +71,21 @@ class Session:
         self.error = ""
         self.reconnects = 0
 
-    async def run(self, start_delay: float, measure_from: list[float]) -> None:
+    async def run(self, start_offset: float, go: asyncio.Event, measure_from: list[float]) -> None:
         """Open the stream (reconnecting like an operator would if the open fails), then roll up."""
         rnd = random.Random(self.cluster)
-        t_first = time.perf_counter() + start_delay
         while not self.stop.is_set():
             call = self.stub.Session()
             reader = asyncio.create_task(self._read(call, measure_from))
             try:
                 await call.write(shard_pb2.OperatorMessage(hello=shard_pb2.Hello(cluster_id=self.cluster,
                                                                                   protocol_version="v1alpha1")))
-                await asyncio.sleep(max(0.0, t_first - time.perf_counter()))
+                await asyncio.wait_for(self.ready.wait(), 60)
+                await go.wait()
+                await asyncio.sleep(start_offset)
                 await self._loop(call, rnd)
                 return
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError) as exc:
                 self.error = repr(exc)
                 self.reconnects += 1
                 self.pending.clear()
@@ -156,10 +157,11 @@ async def drive(args: argparse.Namespace, shard_addr: str, pid: int, metrics_url
     sessions = [Session(stubs[i % len(stubs)], f"bench-{i:05d}", args.interval, lat, stop, args.change_fraction)
                 for i in range(args.sessions)]
     t_open = time.perf_counter()
+    go = asyncio.Event()
     tasks = []
     for i, s in enumerate(sessions):
-        # spread first roll-ups over one interval after all sessions are open
-        tasks.append(asyncio.create_task(s.run(args.interval * (i / args.sessions) + 2.0, measure_from)))
+        # first roll-ups spread over one interval, once every session is open
+        tasks.append(asyncio.create_task(s.run(args.interval * (i / args.sessions), go, measure_from)))
         if i % 200 == 199:
             await asyncio.sleep(0.05)
     deadline = time.monotonic() + 120
@@ -174,6 +176,7 @@ async def drive(args: argparse.Namespace, shard_addr: str, pid: int, metrics_url
     cpu_idle0, rss_open = proc_cpu_seconds(pid), proc_rss_mb(pid)
     await asyncio.sleep(2.0)
     cpu_idle = (proc_cpu_seconds(pid) - cpu_idle0) / 2.0
+    go.set()
     # warm-up: one full interval of roll-ups, then measure
     await asyncio.sleep(args.interval)
     measure_from.append(time.perf_counter())
