@@ -32,3 +32,11 @@ def test_flag_aliases_match_the_upstream_and_chart_names() -> None:
 def test_restore_reports_a_missing_archive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["restore", "--archive", str(tmp_path / "nope.tar"), "--data-dir", str(tmp_path / "d")]) == 1
     assert "restore failed" in capsys.readouterr().err
+
+
+def test_bigfleetctl_certs_delegates_to_the_security_module(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bigfleet.ctl.main import main as ctl
+
+    assert ctl(["certs", "--out", str(tmp_path / "pki"), "--shard", "shard-0"]) == 0
+    assert (tmp_path / "pki" / "ca.crt").exists() and (tmp_path / "pki" / "shard-shard-0.crt").exists()
+    assert ctl([]) == 0 and "rebalance" in capsys.readouterr().out
