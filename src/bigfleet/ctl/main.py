@@ -268,11 +268,11 @@ HANDLERS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     common.add_argument("--coordinator", default=argparse.SUPPRESS, help="coordinator address(es), comma-separated (default 127.0.0.1:7790)")
     common.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="seconds per RPC (default 10)")
     common.add_argument("-o", "--output", choices=["table", "json", "yaml"], default=argparse.SUPPRESS)
-    p = argparse.ArgumentParser(prog="bigfleetctl", description=__doc__.splitlines()[0], parents=[common])
+    p = argparse.ArgumentParser(prog="bigfleetctl", description=__doc__.splitlines()[0], parents=[common], allow_abbrev=False)
     try:
         from bigfleet.security.tls import add_tls_arguments
 
@@ -281,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     sub = p.add_subparsers(dest="command", metavar="<command>")
     for name, desc in COMMANDS:
-        sp = sub.add_parser(name, help=desc, description=desc, parents=[common])
+        sp = sub.add_parser(name, help=desc, description=desc, parents=[common], allow_abbrev=False)
         if name == "shards":
             sp.add_argument("action", nargs="?", choices=["list", "remove"], default="list")
             sp.add_argument("shard_id", nargs="?", default="")
@@ -334,6 +334,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args_list or args_list[0] in ("-h", "--help", "help"):
         parser.print_help()
         return 0
+    if args_list[0] == "certs":  # its own flags (--out ...) go straight to the security module
+        try:
+            from bigfleet.security.certs import main as certs_main
+        except ImportError:
+            print("bigfleetctl certs: not available in this build", file=sys.stderr)
+            return 2
+        return int(certs_main(args_list[1:]) or 0)
     args = parser.parse_args(args_list)
     if not args.command:
         parser.print_help()
@@ -344,13 +351,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in NOT_YET:
         print(f"bigfleetctl {args.command}: not yet implemented in this build (it will read the shard's ShardRead API)", file=sys.stderr)
         return 2
-    if args.command == "certs":
-        try:
-            from bigfleet.security.certs import main as certs_main
-        except ImportError:
-            print("bigfleetctl certs: not available in this build", file=sys.stderr)
-            return 2
-        return int(certs_main(args.rest) or 0)
     tls = None
     if getattr(args, "tls_cert", None) or getattr(args, "tls_ca", None):
         from bigfleet.security.tls import TLSConfig, TLSConfigError
