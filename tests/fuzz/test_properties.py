@@ -96,7 +96,7 @@ def test_rollup_decoder_total_and_round_trips(pb: cap.ClusterCapacityNeeds) -> N
     table.replace(cluster_id, decoded, 7)
 
 
-@FAST
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pb=rollup)
 def test_limits_check_total(pb: cap.ClusterCapacityNeeds) -> None:
     try:

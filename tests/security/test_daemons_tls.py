@@ -7,6 +7,7 @@ noisy session does not disturb the others.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -37,6 +38,7 @@ pytestmark = pytest.mark.slow
 OK, PD, UNAVAILABLE = grpc.StatusCode.OK, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAVAILABLE
 
 
+@functools.cache
 def _supports_tls(subcommand: str) -> bool:
     out = subprocess.run([sys.executable, "-m", "bigfleet.cli.main", subcommand, "--help"],
                          capture_output=True, text=True, timeout=60)
@@ -256,15 +258,14 @@ def test_shard_heartbeats_to_the_coordinator_over_mtls(pki: Pki, coordinator: st
         provider.stop()
 
 
-
 @pytest.mark.parametrize("subcommand", ["coordinator", "shard", "fake-provider", "operator"])
 def test_partial_tls_flags_are_a_startup_error(subcommand: str, tmp_path: Path) -> None:
-    if not _supports_tls(subcommand):
-        pytest.skip(f"`bigfleet {subcommand}` has no --tls-* flags in this build")
     res = subprocess.run(
         [sys.executable, "-m", "bigfleet.cli.main", subcommand, "--tls-cert", str(tmp_path / "x.crt")],
         capture_output=True, text=True, timeout=60,
         env={**os.environ, "BIGFLEET_RAFT_PASSWORD": "p" * 24},
     )
+    if "unrecognized arguments: --tls-cert" in res.stderr:
+        pytest.skip(f"`bigfleet {subcommand}` has no --tls-* flags in this build")
     assert res.returncode == 2, res.stdout + res.stderr
     assert "--tls-key" in res.stderr and "--tls-ca" in res.stderr
