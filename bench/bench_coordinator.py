@@ -106,6 +106,8 @@ def bench_failover(runs: int, root: Path) -> None:
         acked: dict[str, str] = {}
         lost = 0
         for r in range(runs):
+            # Keep the shard live (it would count as down after --down-after without reports).
+            g.call(leader, "ReportShard", pb.ShardReport(shard_id="fo-shard", shard_address="x:1"))
             for c in range(5):
                 cid = f"fo-{r}-{c}"
                 acked[cid] = g.call(leader, "LookupCluster", pb.LookupClusterRequest(cluster_id=cid)).shard_id  # type: ignore[attr-defined]
