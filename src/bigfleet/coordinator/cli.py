@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="accepted for compatibility with upstream manifests; not needed (the --raft-peers group forms itself)",
     )
+    p.add_argument("--raft-compaction-entries", type=int, default=20_000, help="snapshot the Raft log after this many entries")
     p.add_argument("--raft-election-min", type=float, default=0.3)
     p.add_argument("--raft-election-max", type=float, default=0.6)
     try:
@@ -121,6 +122,7 @@ def main(argv: list[str]) -> int:
         join_addr=args.join_addr,
         raft_election_min=args.raft_election_min,
         raft_election_max=args.raft_election_max,
+        raft_compaction_entries=args.raft_compaction_entries,
         tls=tls,
     )
 

@@ -83,6 +83,7 @@ class CoordinatorConfig:
     join_addr: str = ""
     raft_election_min: float = 0.3
     raft_election_max: float = 0.6
+    raft_compaction_entries: int = 20_000
     # bigfleet.security.tls.TLSConfig: mTLS for the gRPC server and the join client
     # (the replicas' certificate carries bigfleet://admin). None = plaintext.
     tls: Any = None
@@ -160,6 +161,7 @@ class CoordinatorDaemon:
                 bind_address=cfg.raft_bind,
                 election_min=cfg.raft_election_min,
                 election_max=cfg.raft_election_max,
+                compaction_min_entries=cfg.raft_compaction_entries,
             )
         )
         from bigfleet.security.roles import COORDINATOR_POLICY, RoleInterceptor
