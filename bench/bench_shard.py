@@ -231,6 +231,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--committed", type=int, default=1000, help="idle committed hosts at the fake provider")
     p.add_argument("--actuate", action="store_true", help="execute actions (default: --dry-run, cycles still run)")
     p.add_argument("--cycle-interval", type=float, default=10.0)
+    p.add_argument("--shard-arg", action="append", default=[], help="extra flag for the shard (repeatable)")
     args = p.parse_args(argv)
 
     logdir = tempfile.mkdtemp(prefix="bench-shard-")
@@ -244,6 +245,7 @@ def main(argv: list[str]) -> int:
                   "--data-dir", logdir, "--cycle-interval", str(args.cycle_interval), "--log-level", "warning"]
     if not args.actuate:
         shard_args.append("--dry-run")
+    shard_args += args.shard_arg
     try:
         wait_for_health(paddr, 60)
         shard = ManagedProcess.bigfleet(shard_args, "shard", log_dir=__import__("pathlib").Path(logdir)).start()
