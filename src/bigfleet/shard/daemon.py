@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -48,6 +49,11 @@ class DaemonConfig:
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    # Injectable clocks and inline compute let the simulator (bigfleet.sim) run this daemon's real
+    # cycle and execution flows deterministically on a virtual event-loop clock.
+    clock: Callable[[], float] = time.monotonic
+    wall_ns: Callable[[], int] = time.time_ns
+    compute_inline: bool = False
 
 
 @dataclass
@@ -61,16 +67,18 @@ class CycleRecord:
 
 
 class ShardDaemon:
-    def __init__(self, config: DaemonConfig, metrics: ShardMetrics, tls: Any = None) -> None:
+    def __init__(self, config: DaemonConfig, metrics: ShardMetrics, tls: Any = None,
+                 provider: ProviderClient | None = None) -> None:
         self.config = config
         self.metrics = metrics
         self.store = LocalDemandStore()
         self.sessions = SessionRegistry(metrics)
-        self.view = MachineView(on_node_update=self._route_node_update, on_reject=self._on_reject)
-        self.provider = ProviderClient(config.provider, config.shard_id, config.epoch, metrics, tls=tls)
+        self.view = MachineView(on_node_update=self._route_node_update, on_reject=self._on_reject,
+                                wall_ns=config.wall_ns)
+        self.provider = provider or ProviderClient(config.provider, config.shard_id, config.epoch, metrics, tls=tls)
         self.executor = Executor(
             self.view, self.provider, self.sessions, self.resolve_binding, config.executor, metrics,
-            on_settled=self.trigger,
+            on_settled=self.trigger, clock=config.clock,
         )
         self.guard = EmptyRollupGuard(config.guard)
         self.availability = availability.AvailabilityEmitter(config.available_capacity_interval)
@@ -128,7 +136,7 @@ class ShardDaemon:
             self.metrics.rollups.inc()
             self.metrics.rollup_duration.observe(time.perf_counter() - started)
             return RollupOutcome(True)
-        now = time.time_ns()
+        now = self.config.wall_ns()
         if not pb.cluster_id:
             fixed = capacity_pb2.ClusterCapacityNeeds()
             fixed.CopyFrom(pb)
@@ -183,7 +191,7 @@ class ShardDaemon:
                     self.view.forget(mid)
         self._cursor = bytes(lst.revision)
         self._reconciles += 1
-        self._last_reconcile = time.monotonic()
+        self._last_reconcile = self.config.clock()
         self.metrics.phase_duration.labels("reconcile").observe(time.perf_counter() - started)
         if not self.reconciled.is_set():
             self.reconciled.set()
@@ -193,7 +201,7 @@ class ShardDaemon:
 
     async def run_cycle(self) -> Decision | None:
         cycle_started = time.perf_counter()
-        if time.monotonic() - self._last_reconcile >= self.config.reconcile_interval:
+        if self.config.clock() - self._last_reconcile >= self.config.reconcile_interval:
             try:
                 await self.reconcile()
             except ProviderError as exc:
@@ -201,7 +209,7 @@ class ShardDaemon:
         if not self.reconciled.is_set():
             return None
         engine_cfg = replace(self.config.engine, paused=self.paused, dry_run=self.dry_run)
-        now = time.time_ns()
+        now = self.config.wall_ns()
         snapshot = tuple(self.store.table.snapshot())
         # Immutable inputs (Need and Machine records are frozen; the containers are copies), so the
         # engine can run on a worker thread while the loop keeps serving sessions.
@@ -209,9 +217,12 @@ class ShardDaemon:
         busy = frozenset(self.view.inflight)
         connected = [n for n in snapshot if self.sessions.get(n.cluster_id) is not None]
         t0 = time.perf_counter()
-        decision, hints = await asyncio.to_thread(
-            _compute, snapshot, machines, busy, connected, now, self.store.engine_state(), engine_cfg
-        )
+        if self.config.compute_inline:
+            decision, hints = _compute(snapshot, machines, busy, connected, now, self.store.engine_state(), engine_cfg)
+        else:
+            decision, hints = await asyncio.to_thread(
+                _compute, snapshot, machines, busy, connected, now, self.store.engine_state(), engine_cfg
+            )
         self._last_compute = time.perf_counter() - t0
         self.metrics.phase_duration.labels("decide").observe(self._last_compute)
         self.store.save_engine_state(decision.state)
@@ -272,7 +283,7 @@ class ShardDaemon:
         """CREATING machines nobody here is driving, seen for less than two execute timeouts
         (after that they no longer hold back new Creates: the provider is expected to fail them)."""
         window = int(2 * self.config.executor.execute_timeout * 1e9)
-        now = time.time_ns()
+        now = self.config.wall_ns()
         n = 0
         for m in self.view.machines():
             if m.state == MachineState.CREATING and m.id not in self.view.inflight \
@@ -281,7 +292,7 @@ class ShardDaemon:
         return n
 
     async def _emit_availability(self, needs: list[Need], hints: dict[Any, availability.Availability]) -> None:
-        now = time.monotonic()
+        now = self.config.clock()
         for i, need in enumerate(needs):
             if i % 2000 == 1999:
                 await asyncio.sleep(0)  # long lists must not hold the loop
@@ -308,11 +319,11 @@ class ShardDaemon:
                 pass
             if self._stopping.is_set():
                 return
-            gap = max(self.config.min_cycle_gap, self._last_compute) - (time.monotonic() - last_cycle)
+            gap = max(self.config.min_cycle_gap, self._last_compute) - (self.config.clock() - last_cycle)
             if gap > 0:
                 await asyncio.sleep(gap)
             self._trigger.clear()
-            last_cycle = time.monotonic()
+            last_cycle = self.config.clock()
             try:
                 await self.run_cycle()
             except Exception:

@@ -68,7 +68,10 @@ class Executor:
         config: ExecutorConfig,
         metrics: ShardMetrics | None = None,
         on_settled: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        # ``clock`` is injectable so the simulator can run these flows on a virtual event-loop clock.
+        self.clock = clock
         self.view = view
         self.provider = provider
         self.sessions = sessions
@@ -210,7 +213,7 @@ class Executor:
         interval = self.config.poll_interval
         last_err = "no answer"
         while True:
-            remaining = deadline - time.monotonic()
+            remaining = deadline - self.clock()
             if remaining <= 0:
                 raise TimeoutError(last_err)
             try:
@@ -223,11 +226,11 @@ class Executor:
                 last_err = str(exc)
                 if exc.code.name == "NOT_FOUND":
                     raise
-            await asyncio.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+            await asyncio.sleep(min(interval, max(0.0, deadline - self.clock())))
             interval = min(interval * 1.5, 1.0)
 
     async def _provision(self, machine_id: str, binding: Binding | None) -> None:
-        deadline = time.monotonic() + self.config.execute_timeout
+        deadline = self.clock() + self.config.execute_timeout
         try:
             ack = await self.provider.create(machine_id)
             self.view.provider_latest[machine_id] = ack.machine
@@ -283,7 +286,7 @@ class Executor:
             self._release_to(machine_id, base)
             self._outcome(kind, "blob_error")
             return
-        deadline = time.monotonic() + self.config.execute_timeout
+        deadline = self.clock() + self.config.execute_timeout
         try:
             ack = await self.provider.configure(machine_id, binding.cluster_id, blob.user_data, binding.metadata())
             pb = ack.machine
@@ -315,7 +318,7 @@ class Executor:
                 log.info("reclaim acknowledged", machine=machine_id, node=node, nodes_started=started)
             except (TimeoutError, asyncio.CancelledError):
                 log.info("no reclaim ack; draining anyway", machine=machine_id)
-        deadline = time.monotonic() + self.config.execute_timeout + grace
+        deadline = self.clock() + self.config.execute_timeout + grace
         try:
             ack = await self.provider.drain(machine_id, grace)
             pb = ack.machine
@@ -335,7 +338,7 @@ class Executor:
         self._outcome(kind, "success" if pb.state == S.MACHINE_STATE_IDLE else "transition_error")
 
     async def _delete_flow(self, machine_id: str) -> None:
-        deadline = time.monotonic() + self.config.execute_timeout
+        deadline = self.clock() + self.config.execute_timeout
         try:
             ack = await self.provider.delete(machine_id)
             pb = ack.machine

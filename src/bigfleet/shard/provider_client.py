@@ -54,6 +54,8 @@ class ProviderClient:
         max_attempts: int = 4,
         backoff: float = 0.2,
         tls: TLSConfig | None = None,
+        stub: Any = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.target = target
         self.shard_id = shard_id
@@ -61,13 +63,18 @@ class ProviderClient:
         self._metrics = metrics
         # No keepalive pings: calls flow every reconcile anyway, and providers built on default
         # server settings answer frequent idle pings with GOAWAY "too_many_pings".
-        if tls is None:
+        self._clock = clock
+        # ``stub`` replaces the wire (the simulator passes an in-process provider with the same shape).
+        self._channel: Any = None
+        if stub is not None:
+            pass
+        elif tls is None:
             opts = [o for o in channel_options() if not o[0].startswith("grpc.keepalive")]
             self._channel = grpc.aio.insecure_channel(target, options=opts)
         else:  # mTLS: we present bigfleet://shard/<id>
             opts = [o for o in tls.channel_options() if not o[0].startswith("grpc.keepalive")]
             self._channel = grpc.aio.secure_channel(target, tls.channel_credentials(), options=opts)
-        self._stub = provider_pb2_grpc.CapacityProviderStub(self._channel)
+        self._stub: Any = stub if stub is not None else provider_pb2_grpc.CapacityProviderStub(self._channel)
         self._seq = itertools.count(1)
         self.lifecycle_timeout = lifecycle_timeout
         self.list_timeout = list_timeout
@@ -76,18 +83,19 @@ class ProviderClient:
         self.backoff = backoff
 
     async def close(self) -> None:
-        await self._channel.close()
+        if self._channel is not None:
+            await self._channel.close()
 
     def next_sequence(self) -> int:
         return next(self._seq)
 
     async def _call(self, rpc: str, fn: Callable[[float], Awaitable[T]], total: float) -> T:
-        deadline = time.monotonic() + total
+        deadline = self._clock() + total
         delay = self.backoff
         attempt = 0
         while True:
             attempt += 1
-            remaining = deadline - time.monotonic()
+            remaining = deadline - self._clock()
             per = max(0.05, min(self.attempt_timeout, remaining))
             start = time.perf_counter()
             try:
@@ -100,7 +108,7 @@ class ProviderClient:
                 if self._metrics:
                     self._metrics.provider_rpc.labels(rpc).observe(time.perf_counter() - start)
                     self._metrics.provider_errors.labels(rpc, code.name).inc()
-                remaining = deadline - time.monotonic()
+                remaining = deadline - self._clock()
                 if code not in RETRYABLE or attempt >= self.max_attempts or remaining <= delay:
                     raise ProviderError(rpc, code, exc.details() or "") from None
                 await asyncio.sleep(delay)

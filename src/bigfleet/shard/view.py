@@ -68,7 +68,9 @@ NodeSink = Callable[[str, shard_pb2.ShardMessage], None]
 
 
 class MachineView:
-    def __init__(self, on_node_update: NodeSink | None = None, on_reject: Callable[[str], None] | None = None) -> None:
+    def __init__(self, on_node_update: NodeSink | None = None, on_reject: Callable[[str], None] | None = None,
+                 wall_ns: Callable[[], int] = time.time_ns) -> None:
+        self._wall_ns = wall_ns  # injectable: the simulator runs on a virtual clock
         # What the engine reads (it only needs ``machines()``). Not a core ``Inventory``: a machine
         # being created for a need carries the cluster it is for, which the engine credits but the
         # record invariant (no cluster before Configure) would refuse.
@@ -110,7 +112,7 @@ class MachineView:
             return True
         if pb.id in self.failed_local and not force:
             return True
-        now = time.time_ns()
+        now = self._wall_ns()
         try:
             m = machine_from_proto(pb, now_unix_nanos=now)
         except ValidationError as exc:
