@@ -16,6 +16,7 @@ from bigfleet.testing import ManagedProcess, free_port
 from bigfleet.v1alpha1 import (
     coordinator_pb2,
     coordinator_pb2_grpc,
+    provider_pb2,
     shard_pb2,
     shardread_pb2,
     shardread_pb2_grpc,
@@ -159,3 +160,28 @@ async def test_mtls_session_identity_and_read_gating(tmp_path: Path) -> None:
 
 async def _reconciled(shard: ShardProc) -> bool:
     return bool((await shard.counts()).reconciled)
+
+
+async def test_bootstrap_error_leaves_machine_idle_and_is_reported() -> None:
+    async with fleet(("--seed-count", "0", "--committed-count", "1")) as (_p, spy, shard):
+        op = FakeOperator(shard.addr, "c1", bootstrap_error="kubelet 1.20 outside the skew window")
+        async with op:
+            await op.send_rollup([need("7")])
+            await until(lambda: len(op.of("bootstrap_request")) >= 2, 30, "bootstrap pulled (and retried)")
+            frames = await until(lambda: _inspect_with_error(shard), 20, "bootstrap error in InspectNeeds")
+            assert "skew window" in frames[1].need.bootstrap_error
+            assert not spy.of("Configure")  # the provider is never touched without a blob
+            # at the provider the machine is still Idle and unbound (between pulls the shard shows
+            # it CONFIGURING for c1: it is being bound)
+            records = await spy.list_machines()
+            assert [(m.state, m.cluster) for m in records] == [(provider_pb2.MACHINE_STATE_IDLE, "")]
+            # the operator recovers: the next pull succeeds and the machine is configured
+            op.bootstrap_error = ""
+            await until(lambda: _configured(shard, "c1", 1), 30, "configured once the operator can bootstrap")
+            frames = await shard.inspect("c1")
+            assert frames[1].need.bootstrap_error == ""
+
+
+async def _inspect_with_error(shard: ShardProc) -> list[shardread_pb2.InspectNeedsResponse] | None:
+    frames = await shard.inspect("c1")
+    return frames if len(frames) > 1 and frames[1].need.bootstrap_error else None

@@ -45,6 +45,7 @@ class ShardReadServicer(shardread_pb2_grpc.ShardReadServicer):
                 need=need_to_proto(n), cluster_id=n.cluster_id, arrival_unix_nanos=n.arrival_unix_nanos,
                 profile_fingerprint=n.fingerprint,
             )
+            view.bootstrap_error = self.d.executor.bootstrap_failures.get((n.cluster_id, n.fingerprint), "")
             v = verdicts.get((n.cluster_id, n.fingerprint))
             if v is not None:
                 view.satisfied = v.satisfied

@@ -368,6 +368,7 @@ class NeedView(_message.Message):
     MATCHING_SUPPLY_FIELD_NUMBER: _builtins.int
     PREEMPTION_FIELD_NUMBER: _builtins.int
     SAME_CANDIDATES_FIELD_NUMBER: _builtins.int
+    BOOTSTRAP_ERROR_FIELD_NUMBER: _builtins.int
     cluster_id: _builtins.str
     arrival_unix_nanos: _builtins.int
     profile_fingerprint: _builtins.str
@@ -384,6 +385,10 @@ class NeedView(_message.Message):
     parked_age_cycles: _builtins.int
     age_cycles_unmet: _builtins.int
     unmet_reason: Global___UnmetReason.ValueType
+    bootstrap_error: _builtins.str
+    """Python addition: why the last bootstrap pull for this need failed (operator
+    error or timeout); empty once a machine was configured for it again.
+    """
     @_builtins.property
     def need(self) -> _capacity_pb2.CapacityNeed: ...
     @_builtins.property
@@ -423,10 +428,11 @@ class NeedView(_message.Message):
         matching_supply: Global___MatchingSupply | None = ...,
         preemption: Global___PreemptionSummary | None = ...,
         same_candidates: _abc.Iterable[Global___DomainCoverage] | None = ...,
+        bootstrap_error: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["matching_supply", b"matching_supply", "need", b"need", "preemption", b"preemption", "residual_deficit", b"residual_deficit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquisition_parked", b"acquisition_parked", "age_cycles_unmet", b"age_cycles_unmet", "arrival_unix_nanos", b"arrival_unix_nanos", "bootstrap_count", b"bootstrap_count", "claimed_machine_count", b"claimed_machine_count", "cluster_id", b"cluster_id", "matching_supply", b"matching_supply", "need", b"need", "parked_age_cycles", b"parked_age_cycles", "preemption", b"preemption", "profile_fingerprint", b"profile_fingerprint", "provision_count", b"provision_count", "residual_deficit", b"residual_deficit", "same_candidates", b"same_candidates", "same_domain", b"same_domain", "same_satisfiable", b"same_satisfiable", "satisfied", b"satisfied", "unmet_reason", b"unmet_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquisition_parked", b"acquisition_parked", "age_cycles_unmet", b"age_cycles_unmet", "arrival_unix_nanos", b"arrival_unix_nanos", "bootstrap_count", b"bootstrap_count", "bootstrap_error", b"bootstrap_error", "claimed_machine_count", b"claimed_machine_count", "cluster_id", b"cluster_id", "matching_supply", b"matching_supply", "need", b"need", "parked_age_cycles", b"parked_age_cycles", "preemption", b"preemption", "profile_fingerprint", b"profile_fingerprint", "provision_count", b"provision_count", "residual_deficit", b"residual_deficit", "same_candidates", b"same_candidates", "same_domain", b"same_domain", "same_satisfiable", b"same_satisfiable", "satisfied", b"satisfied", "unmet_reason", b"unmet_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
