@@ -24,7 +24,8 @@ ORDER = {S.MACHINE_STATE_SPECULATIVE: 0, S.MACHINE_STATE_CREATING: 1, S.MACHINE_
 
 
 async def test_demand_configures_rejects_malformed_and_reclaims() -> None:
-    async with fleet(("--seed-count", "4", "--committed-count", "2")) as (_prov, spy, shard):  # noqa: SIM117
+    holds = ("--spot-hold-seconds", "1", "--on-demand-hold-seconds", "1")
+    async with fleet(("--seed-count", "4", "--committed-count", "2"), holds) as (_prov, spy, shard):  # noqa: SIM117
         async with FakeOperator(shard.addr, "c1", blob=b"join-c1-token") as op:
             await op.send_rollup([need("7", count=3)])
 
@@ -72,10 +73,10 @@ async def test_demand_configures_rejects_malformed_and_reclaims() -> None:
             # Demand removed: reclaim instructions naming the nodes, then back to Idle after the ack.
             await op.send_rollup([])
 
-            async def all_idle() -> bool:
+            async def all_unbound() -> bool:
                 c = await shard.counts()
-                return c.bound_by_cluster.get("c1", 0) == 0 and c.by_state.get("MACHINE_STATE_IDLE", 0) >= 3
-            await until(all_idle, 60, "reclaimed machines back to Idle")
+                return c.bound_by_cluster.get("c1", 0) == 0 and not c.by_state.get("MACHINE_STATE_DRAINING", 0)
+            await until(all_unbound, 60, "reclaimed machines back to Idle")
             node_names = {u.node_name for mid in records for u in op.node_updates(mid)}
             reclaimed = [n for ri in op.reclaims() for n in ri.nodes]
             assert sorted(reclaimed) == sorted(node_names)
@@ -84,6 +85,16 @@ async def test_demand_configures_rejects_malformed_and_reclaims() -> None:
             # The final Draining → Idle update reaches the cluster the machine left.
             for mid in records:
                 assert op.node_updates(mid)[-1].state == S.MACHINE_STATE_IDLE
+            # Idle elastic machines are released after their hold (1 s here); committed ones stay.
+            created = set(spy.per_machine("Create"))
+            assert created  # 2 committed hosts could not cover 3 machines
+
+            async def released() -> bool:
+                ms = {m.id: m.state for m in await spy.list_machines()}
+                return all(ms[mid] == S.MACHINE_STATE_SPECULATIVE for mid in created) and all(
+                    ms[mid] == S.MACHINE_STATE_IDLE for mid in records if mid not in created)
+            await until(released, 30, "created machines released, committed kept")
+            assert spy.per_machine("Delete") == {mid: 1 for mid in created}
 
 
 async def test_higher_priority_cluster_preempts_lower() -> None:

@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reconcile-interval", type=float)
     p.add_argument("--available-capacity-interval", type=float)
     p.add_argument("--reclaim-cap-fraction", type=float)
+    p.add_argument("--on-demand-hold-seconds", type=int, help="idle on-demand release hold (<= 0: never)")
+    p.add_argument("--spot-hold-seconds", type=int, help="idle spot release hold (<= 0: never)")
     p.add_argument("--no-empty-rollup-guard", dest="empty_rollup_guard", action="store_const", const=False)
     p.add_argument("--dry-run", action="store_const", const=True)
     p.add_argument("--paused", action="store_const", const=True)
@@ -127,6 +129,8 @@ async def serve(settings: Any, tls: TLSConfig | None = None) -> int:
         ),
         engine=EngineConfig(
             reclaim_cap_fraction=settings.reclaim_cap_fraction,
+            on_demand_hold_seconds=settings.on_demand_hold_seconds if settings.on_demand_hold_seconds > 0 else None,
+            spot_hold_seconds=settings.spot_hold_seconds if settings.spot_hold_seconds > 0 else None,
             rollup_guard_enabled=settings.empty_rollup_guard,
             paused=settings.paused,
             dry_run=settings.dry_run,

@@ -30,6 +30,9 @@ class ShardSettings(BaseSettings):
     full_reconcile_every: int = Field(30, ge=1)
     available_capacity_interval: float = Field(5.0, ge=0)
     reclaim_cap_fraction: float = Field(0.05, ge=0, le=1)
+    # Idle elastic machines are released (Delete) after this long; 0 or less: never.
+    on_demand_hold_seconds: int = 600
+    spot_hold_seconds: int = 60
     empty_rollup_guard: bool = True
     dry_run: bool = False
     paused: bool = False
