@@ -176,9 +176,13 @@ class _Cycle:
         self.vused: dict[tuple[int, int], int] = {}
         self.zero: Vec = tuple(0 for _ in dims)
         self._eligible: dict[tuple[tuple[Requirement, ...], Vec], list[MClass]] = {}
-        self._ordered: dict[tuple[int, int, float], list[list[MClass]]] = {}
-        self._heaps: dict[tuple[int, int], list[tuple[float, str, int]]] = {}
-        self._band: dict[int, list[tuple[MClass, list[Machine]]]] = {}
+        # Caches keyed by id() of a list also hold that list, so the id cannot be reused by another
+        # object while the entry exists (a hit is also checked by identity).
+        self._ordered: dict[tuple[int, int, float], tuple[list[MClass], list[list[MClass]]]] = {}
+        self._heaps: dict[tuple[int, int], tuple[list[MClass], list[tuple[float, str, int]]]] = {}
+        self._band: dict[int, tuple[Any, list[tuple[MClass, list[Machine]]]]] = {}
+        self._merged: dict[int, tuple[Any, list[tuple[MClass, Machine]]]] = {}
+        self.mcur: dict[int, int] = {}
         self._domains: dict[tuple[tuple[Requirement, ...], Vec, str], list[tuple[str, list[MClass]]]] = {}
         self._bound: dict[tuple[str, int, tuple[Requirement, ...], Vec], list[tuple[MClass, list[Machine]]]] = {}
 
@@ -348,9 +352,12 @@ def _band_hold(cy: _Cycle, n: _N, state: int, lists: list[tuple[MClass, list[Mac
     for _, lst in lists:
         if recl(lst[0]) != recl(lst[-1]):
             return False
-    ordered = cy._band.get(id(lists))
-    if ordered is None:
-        ordered = cy._band[id(lists)] = sorted(lists, key=lambda t: (t[0].price, -recl(t[1][0]), t[0].sort_key))
+    hit = cy._band.get(id(lists))
+    if hit is not None and hit[0] is lists:
+        ordered = hit[1]
+    else:
+        ordered = sorted(lists, key=lambda t: (t[0].price, -recl(t[1][0]), t[0].sort_key))
+        cy._band[id(lists)] = (lists, ordered)
     held = cy.held.get(n.cluster)
     if held is None:
         held = cy.held[n.cluster] = {}
@@ -454,12 +461,27 @@ def _keep_stream(cy: _Cycle, n: _N, state: int, lists: list[tuple[MClass, list[M
         return
     # keep order across classes: price asc, reclamation desc, then class, then id (a class's run of
     # equal-value machines stays contiguous, which is what lets `_credit_plain` credit it in bulk)
-    items = [(c.price, -m_reclamation(m), c.sort_key, m.id, c, m) for c, lst in lists for m in lst
-             if m.id not in claim]
-    items.sort(key=lambda t: (t[0], t[1], t[2], t[3]))
-    for t in items:
-        if t[5].id not in claim:
-            yield t[4], t[5]
+    # The merged order of a given set of lists is computed once per cycle and walked with a cursor.
+    mk = id(lists)
+    hit = cy._merged.get(mk)
+    if hit is not None and hit[0] is lists:
+        got = hit[1]
+    else:
+        items = [(c.price, -m_reclamation(m), c.sort_key, m.id, c, m) for c, lst in lists for m in lst]
+        items.sort(key=lambda t: (t[0], t[1], t[2], t[3]))
+        got = [(t[4], t[5]) for t in items]
+        cy._merged[mk] = (lists, got)
+        cy.mcur.pop(mk, None)
+    i = cy.mcur.get(mk, 0)
+    size = len(got)
+    while i < size and got[i][1].id in claim:
+        i += 1
+    cy.mcur[mk] = i
+    while i < size:
+        t = got[i]
+        if t[1].id not in claim:
+            yield t
+        i += 1
 
 
 def _credit_plain(cy: _Cycle, n: _N) -> None:
@@ -646,9 +668,11 @@ def _units_to_cover(rem: Vec, unit: Vec, limit: int) -> int:
 def _ordered_classes(cy: _Cycle, classes: list[MClass], state: int, penalty: float) -> list[list[MClass]]:
     """Classes with supply in `state`, grouped by equal effective cost, cheapest group first (cached)."""
     ck = (id(classes), state, penalty)  # class lists come from per-cycle caches: identity is stable
-    got = cy._ordered.get(ck)
-    if got is None:
-        got = cy._ordered[ck] = _order_classes(cy, classes, state, penalty)
+    hit = cy._ordered.get(ck)
+    if hit is not None and hit[0] is classes:
+        return hit[1]
+    got = _order_classes(cy, classes, state, penalty)
+    cy._ordered[ck] = (classes, got)
     return got
 
 
@@ -678,7 +702,8 @@ def _next_in_group(cy: _Cycle, state: int, group: list[MClass]) -> tuple[MClass,
         m = cy.head((state, c.idx))
         return None if m is None else (c, m)
     gk = (state, id(group))
-    h = cy._heaps.get(gk)
+    hit = cy._heaps.get(gk)
+    h = hit[1] if hit is not None and hit[0] is group else None
     if h is None:
         h = []
         for c in group:
@@ -686,7 +711,7 @@ def _next_in_group(cy: _Cycle, state: int, group: list[MClass]) -> tuple[MClass,
             if m is not None:
                 h.append((m_reclamation(m), m.id, c.idx))
         heapq.heapify(h)
-        cy._heaps[gk] = h
+        cy._heaps[gk] = (group, h)
     classes = cy.ix.classes
     while h:
         _, mid, ci = h[0]
@@ -1234,12 +1259,12 @@ class Engine:
         shortfalls.sort(key=lambda s: (-s.priority, -s.age_cycles, s.fingerprint))
         shortfalls = shortfalls[: max(0, config.shortfall_report_cap)]
 
-        next_state = EngineState(
+        next_state = EngineState(  # key-sorted so equal states also print (and serialise) identically
             cycle=state.cycle + 1,
-            shortfall_ages=new_short_ages,
-            unmet_ages=new_unmet,
-            parking=new_park,
-            same_domains=new_domains,
+            shortfall_ages=dict(sorted(new_short_ages.items())),
+            unmet_ages=dict(sorted(new_unmet.items())),
+            parking=dict(sorted(new_park.items())),
+            same_domains=dict(sorted(new_domains.items())),
             first_rollup=state.first_rollup,
         )
         n_rows = len(work) + sum(len(cc.rows) for cc in cached.values())
