@@ -356,6 +356,13 @@ class Simulator:
             await self._cycle(cycle, final_demand=False)
         for i in range(self.settle_cycles):
             await self._cycle(self.sc.cycles + i, final_demand=True)
+        # Let actions issued by the last cycles finish (virtual time, so this costs nothing): a flow
+        # still running after its own deadline has passed is a stuck flow.
+        pending = set(self.shard.executor._tasks)
+        if pending:
+            bound = 3 * self.sc.execute_timeout + self.shard.config.engine.reclaim_grace_seconds
+            await asyncio.wait(pending, timeout=bound)
+        self.stub.sync()
         self.checker.at_end(self.loop.time(), self.provider, self.shard.view)
         for c in self.clusters.values():
             if c.session is not None:

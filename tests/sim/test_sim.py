@@ -1,0 +1,200 @@
+"""The simulator drives the real shard; these tests check the scenarios' outcomes and the checker itself."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from bigfleet.machine.state import MachineState
+from bigfleet.provider.kit.model import State
+from bigfleet.sim import InvariantChecker, ScenarioError, Simulator, builtin, load
+from bigfleet.sim.__main__ import GOLDEN, SETTLE, golden_trace, soak_config
+from bigfleet.sim.scenario import BUILTIN, RACK_LABEL, from_dict
+
+GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden"
+
+
+def _run(name: str) -> tuple[Simulator, object]:
+    sim = Simulator(builtin(name), settle_cycles=SETTLE)
+    return sim, sim.run()
+
+
+def _states(sim: Simulator) -> Counter[State]:
+    return Counter(State(int(m.state)) for m in sim.provider.core.machines.values())
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN))
+def test_builtin_scenarios_hold_every_invariant(name: str) -> None:
+    sim, res = _run(name)
+    assert res.violations == [], "\n".join(map(str, res.violations))  # type: ignore[attr-defined]
+    assert not sim.shard.view.inflight
+
+
+def test_withdrawal_releases_down_to_the_remaining_demand() -> None:
+    sim, res = _run("withdrawal")
+    bound = Counter(m.cluster for m in sim.provider.core.machines.values() if m.state == State.CONFIGURED)
+    # a: 2 pods x 3 cpu = one 8-vCPU machine; b's jobs completed and withdrew
+    assert bound == Counter({"a": 1})
+    assert res.totals["Drain"] >= 10 and res.reclaims >= 10  # type: ignore[attr-defined]
+
+
+def test_priority_spike_preempts_the_low_priority_cluster() -> None:
+    sim, res = _run("priority-inversion")
+    bound = Counter(m.cluster for m in sim.provider.core.machines.values() if m.state == State.CONFIGURED)
+    assert bound == Counter({"high": 4})
+    drains = [json.loads(line) for line in res.trace if '"Drain"' in line]  # type: ignore[attr-defined]
+    reasons = {a["reason"] for d in drains for a in d["actions"] if a["kind"] == "Drain"}
+    assert reasons == {"preempt"}
+
+
+def test_stockout_is_a_stable_shortfall_without_overprovisioning() -> None:
+    sim, res = _run("capacity-stockout")
+    assert _states(sim) == Counter({State.CONFIGURED: 5})
+    last = json.loads(res.trace[-1])  # type: ignore[attr-defined]
+    assert last["shortfalls"] >= 1 and last["actions"] == []
+
+
+def test_failed_transitions_end_failed_with_a_reason_and_demand_is_served_elsewhere() -> None:
+    sim, _ = _run("provider-configure-failure")
+    failed = [m for m in sim.provider.core.machines.values() if m.state == State.FAILED]
+    assert failed and all(m.last_error for m in failed)
+    assert all(sim.shard.view.get(m.id).last_error for m in failed)  # type: ignore[union-attr]
+    assert _states(sim)[State.CONFIGURED] == 2  # everything left after the fault window
+
+
+def test_hung_creates_are_failed_by_the_shard_within_its_timeout() -> None:
+    sim, _ = _run("hang-and-disconnect")
+    shown = [pb for pb in sim.shard.view.all() if MachineState(int(pb.state)) == MachineState.FAILED]
+    assert shown and all("timed out" in pb.last_error for pb in shown)
+    # cluster b was cut off and came back: it is served again
+    bound = Counter(m.cluster for m in sim.provider.core.machines.values() if m.state == State.CONFIGURED)
+    assert bound["b"] + bound["a"] == 2
+
+
+def test_gang_lands_on_one_rack_and_withdraws_when_done() -> None:
+    sim, res = _run("training-job-topology")
+    configures = [a for line in res.trace for a in json.loads(line).get("actions", ())  # type: ignore[attr-defined]
+                  if a["kind"] == "Configure"]
+    racks = {sim.provider.core.machines[a["machine"]].labels[RACK_LABEL] for a in configures}
+    assert len(configures) == 3 and len(racks) == 1
+    assert _states(sim)[State.CONFIGURED] == 0  # the job completed and withdrew
+
+
+def test_same_seed_same_trace() -> None:
+    a = Simulator(builtin("mixed-fleet")).run()
+    b = Simulator(builtin("mixed-fleet")).run()
+    assert a.trace == b.trace and a.final_states == b.final_states
+
+
+@pytest.mark.parametrize("name", GOLDEN)
+def test_golden_trace_unchanged(name: str) -> None:
+    """Regenerate on purpose only: `python -m bigfleet.sim record` and review the diff."""
+    assert golden_trace(name) == (GOLDEN_DIR / f"{name}.jsonl").read_text()
+
+
+@pytest.mark.slow
+def test_short_soak_with_churn_and_failures_ends_settled() -> None:
+    res = Simulator(soak_config(400, clusters=8), settle_cycles=30).run()
+    assert res.violations == [], "\n".join(map(str, res.violations))
+    assert res.totals["Configure"] > 100 and res.totals["Drain"] > 100
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(1800)
+def test_soak_10k_cycles() -> None:
+    from bigfleet.sim.__main__ import rss_bytes
+
+    marks: list[int] = []
+
+    def on_cycle(st: object) -> None:
+        if getattr(st, "cycle", 0) in (1000, 9999):
+            marks.append(rss_bytes())
+
+    res = Simulator(soak_config(10_000), settle_cycles=30, on_cycle=on_cycle).run()
+    assert res.violations == [], "\n".join(map(str, res.violations))
+    assert len(marks) == 2 and marks[1] - marks[0] < 64 * 2**20, marks
+
+
+# -- the checker catches what it claims to catch ---------------------------------------------------
+
+
+def _fake(machines: dict[str, SimpleNamespace]) -> tuple[SimpleNamespace, SimpleNamespace]:
+    provider = SimpleNamespace(core=SimpleNamespace(machines=machines))
+    view = SimpleNamespace(
+        ids=lambda: list(machines), all=lambda: [], get=lambda _m: None, inflight={}, reserved_for={},
+    )
+    return provider, view
+
+
+def _m(state: State, cluster: str = "", err: str = "") -> SimpleNamespace:
+    return SimpleNamespace(state=state, cluster=cluster, last_error=err, shard_metadata={})
+
+
+def _checker(total: int) -> InvariantChecker:
+    return InvariantChecker(total_machines=total, execute_timeout=10, provider_timeout=30, cycle_seconds=2,
+                            reclaim_cap_fraction=0.05)
+
+
+def test_checker_flags_an_illegal_transition() -> None:
+    c = _checker(1)
+    c.transition("m", int(State.SPECULATIVE), int(State.CONFIGURED))
+    assert [v.rule for v in c.violations] == ["legal-transition"]
+    c2 = _checker(1)
+    c2.transition("m", int(State.SPECULATIVE), int(State.CREATING))
+    c2.transition("m", -1, int(State.IDLE))
+    assert c2.violations == []
+
+
+def test_checker_flags_a_lost_machine_and_a_failed_machine_without_reason() -> None:
+    c = _checker(3)
+    provider, view = _fake({"a": _m(State.IDLE), "b": _m(State.FAILED)})
+    c.after_cycle(0, 0.0, provider, view, {}, Counter())
+    assert {v.rule for v in c.violations} == {"inventory-conserved", "failed-has-reason"}
+
+
+def test_checker_flags_overprovisioning_but_allows_the_reclaim_lag() -> None:
+    c = _checker(4)
+    ms = {f"m{i}": _m(State.CONFIGURED, "a") for i in range(4)}
+    provider, view = _fake(ms)
+    c.after_cycle(0, 0.0, provider, view, {"a": 4}, Counter())
+    c.after_cycle(1, 2.0, provider, view, {"a": 1}, Counter())  # demand dropped: lag allowance
+    assert c.violations == []
+    for cycle in range(2, 12):  # never reclaimed
+        c.after_cycle(cycle, 2.0 * cycle, provider, view, {"a": 1}, Counter())
+    assert c.violations and c.violations[0].rule == "no-overprovision"
+
+
+def test_checker_flags_a_machine_stuck_in_a_transition() -> None:
+    c = _checker(1)
+    provider, view = _fake({"m": _m(State.CREATING)})
+    c.after_cycle(0, 0.0, provider, view, {}, Counter())
+    c.after_cycle(1, 100.0, provider, view, {}, Counter())
+    assert [v.rule for v in c.violations] == ["stuck-transitional"]
+
+
+# -- scenario files ----------------------------------------------------------------------------------
+
+
+def test_scenario_yaml_round_trip_and_errors(tmp_path: Path) -> None:
+    f = tmp_path / "s.yaml"
+    f.write_text(
+        "cycles: 20\ninventory: {committed: 4, speculative: 4}\n"
+        "clusters:\n  a:\n    - {name: web, pods: 4, cpu: 2, priority: 1000}\n"
+        "faults:\n  - {at: 3, kind: fail, kinds: [create]}\n  - {at: 6, kind: clear}\n"
+    )
+    sc = load(f)
+    assert sc.name == "s" and sc.committed == 4 and sc.clusters["a"][0].pods == 4
+    res = Simulator(sc, settle_cycles=5).run()
+    assert res.ok
+    with pytest.raises(ScenarioError, match="unknown keys"):
+        from_dict({"clusters": {"a": []}, "cylces": 3})
+    with pytest.raises(ScenarioError, match="fault kind"):
+        from_dict({"clusters": {"a": []}, "faults": [{"at": 1, "kind": "explode"}]})
+    with pytest.raises(ScenarioError, match="clusters"):
+        from_dict({"cycles": 3})
+    with pytest.raises(ScenarioError, match="unknown scenario"):
+        builtin("nope")
