@@ -180,7 +180,8 @@ class _Cycle:
         # object while the entry exists (a hit is also checked by identity).
         self._ordered: dict[tuple[int, int, float], tuple[list[MClass], list[list[MClass]]]] = {}
         self._heaps: dict[tuple[int, int], tuple[list[MClass], list[tuple[float, str, int]]]] = {}
-        self._band: dict[int, tuple[Any, list[tuple[MClass, list[Machine]]]]] = {}
+        self._band: dict[int, tuple[Any, list[tuple[Vec, list[Machine]]] | None]] = {}
+        self.rcur: dict[tuple[int, int], int] = {}
         self._merged: dict[int, tuple[Any, list[tuple[MClass, Machine]]]] = {}
         self.mcur: dict[int, int] = {}
         self._domains: dict[tuple[tuple[Requirement, ...], Vec, str], list[tuple[str, list[MClass]]]] = {}
@@ -345,68 +346,61 @@ def _hold(cy: _Cycle, m: Machine, n: _N) -> None:
 
 def _band_hold(cy: _Cycle, n: _N, state: int, lists: list[tuple[MClass, list[Machine]]]) -> bool:
     """Credit several classes in bulk when each has a single reclamation value (keep order is then
-    class after class). Classes of equal allocatable share one "machines still needed" count, so the
-    per-class work is a cursor move and a C-level dict update. False: not applicable, or a run was
-    not clean (the caller finishes machine by machine; nothing taken so far is undone)."""
+    class after class). Consecutive classes of equal allocatable are concatenated once per cycle
+    into one run, so crediting a need is one slice and one C-level dict update per run. False: not
+    applicable, or a run was not clean (the caller finishes machine by machine; nothing taken so far
+    is undone)."""
     recl = _RECL
-    for _, lst in lists:
-        if recl(lst[0]) != recl(lst[-1]):
-            return False
     hit = cy._band.get(id(lists))
     if hit is not None and hit[0] is lists:
-        ordered = hit[1]
+        runs = hit[1]
     else:
+        for _, lst in lists:
+            if recl(lst[0]) != recl(lst[-1]):
+                cy._band[id(lists)] = (lists, None)
+                return False
         ordered = sorted(lists, key=lambda t: (t[0].price, -recl(t[1][0]), t[0].sort_key))
-        cy._band[id(lists)] = (lists, ordered)
+        runs = []
+        for c, lst in ordered:
+            a = cy.alloc[c.idx]
+            if runs and runs[-1][0] == a:
+                runs[-1][1].extend(lst)
+            else:
+                runs.append((a, list(lst)))
+        cy._band[id(lists)] = (lists, runs)
+    if runs is None:
+        return False
     held = cy.held.get(n.cluster)
     if held is None:
         held = cy.held[n.cluster] = {}
-    alloc = cy.alloc
-    bcur = cy.bcur
-    cluster = n.cluster
-    cur_a: Vec | None = None
-    k_left = 0
-    taken = 0
+    rcur = cy.rcur
     all_taken = 0
     clean = True
-    for c, lst in ordered:
-        a = alloc[c.idx]
-        if a != cur_a:
-            if cur_a is not None and taken:
-                n.remaining = _sub(n.remaining, tuple([x * taken for x in cur_a]))
-            if not any(n.remaining):
-                cur_a = None
-                break
-            cur_a, taken = a, 0
-            k_left = _units_to_cover(n.remaining, a, 1 << 62)
-        if k_left <= 0:
-            continue
-        ck = (cluster, state, c.idx)
-        i = bcur.get(ck, 0)
-        size = len(lst)
-        while i < size and lst[i].id in held:
+    for ri, (a, run) in enumerate(runs):
+        if not any(n.remaining):
+            break
+        ck = (id(lists), ri)
+        i = rcur.get(ck, 0)
+        size = len(run)
+        while i < size and run[i].id in held:
             i += 1
-        k = min(size - i, k_left)
+        rcur[ck] = i
+        k = _units_to_cover(n.remaining, a, size - i)
         if k <= 0:
-            bcur[ck] = i
             continue
-        chunk = lst[i:i + k]
+        chunk = run[i:i + k]
         ids = list(map(_ID, chunk))
         if any(map(held.__contains__, ids)):
-            bcur[ck] = i
             clean = False
             break
         held.update(zip(ids, repeat(n)))
         n.claimed.extend(chunk)
         n.credited += k
-        bcur[ck] = i + k
-        k_left -= k
-        taken += k
+        rcur[ck] = i + k
+        n.remaining = _sub(n.remaining, tuple([x * k for x in a]))
         all_taken += k
-    if cur_a is not None and taken:
-        n.remaining = _sub(n.remaining, tuple([x * taken for x in cur_a]))
     if state == CONFIGURED and all_taken:
-        cy.hconf[cluster] = cy.hconf.get(cluster, 0) + all_taken
+        cy.hconf[n.cluster] = cy.hconf.get(n.cluster, 0) + all_taken
     return clean
 
 
