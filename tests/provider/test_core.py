@@ -289,3 +289,25 @@ def test_random_call_sequences_keep_invariants(calls: list[tuple[Kind, int, bool
                 assert rec.cluster == "" and rec.shard_metadata == {}
             if rec.state == State.FAILED:
                 assert rec.last_error
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.dictionaries(st.text(max_size=6), st.text(max_size=6), max_size=4),
+    st.sampled_from(list(State)),
+    st.text(max_size=8),
+    st.text(max_size=8),
+    st.booleans(),
+)
+def test_hand_encoded_wire_matches_protobuf(md: dict[str, str], state: State, cluster: str, err: str,
+                                            host: bool) -> None:
+    from bigfleet.v1alpha1 import provider_pb2 as pb
+
+    c = core_with(2)
+    rec = c.get("aws-00000")
+    rec.state, rec.cluster, rec.last_error, rec.shard_metadata = state, cluster, err, md
+    rec.host = HostRef("p", "h") if host else HostRef()
+    rec.touch(c.rev + 1)
+    assert pb.Machine.FromString(rec.wire()) == rec.to_proto()
+    snap = rec.copy()
+    assert snap.wire() == rec.wire()

@@ -163,7 +163,7 @@ class ProviderCore:
                 (rec.price_per_hour, rec.interruption_probability, rec.resources, rec.allocatable,
                  rec.labels) = fresh
             self.rev += 1
-            rec.touch(self.rev)
+            rec.touch(self.rev, shape_changed=True)
             self._dirty_m.add(rec.id)
             changed += 1
         if changed:
@@ -282,7 +282,7 @@ class ProviderCore:
                 rec.shard_metadata = {}
         rec.op_id = ""
         self.rev += 1
-        rec.touch(self.rev)
+        rec.touch(self.rev, shape_changed=kind == Kind.CREATE)
         self._dirty_m.add(machine_id)
         self.changes += 1
         return True

@@ -158,20 +158,25 @@ class MachineRecord:
     # Revision at which the record last changed; drives incremental List.
     modified: int = 0
     _wire: bytes | None = field(default=None, repr=False, compare=False)
+    # Encoding of the fields that rarely change (shape, cost, labels); see wire().
+    _static: bytes | None = field(default=None, repr=False, compare=False)
 
-    def touch(self, rev: int) -> None:
+    def touch(self, rev: int, shape_changed: bool = False) -> None:
         self.modified = rev
         self._wire = None
+        if shape_changed:
+            self._static = None
 
     def copy(self) -> MachineRecord:
+        """A snapshot; maps are shared safely because they are only ever replaced, never mutated."""
         return MachineRecord(
             id=self.id, state=self.state, instance_type=self.instance_type, zone=self.zone,
             capacity_type=self.capacity_type, price_per_hour=self.price_per_hour,
-            interruption_probability=self.interruption_probability, resources=dict(self.resources),
-            allocatable=dict(self.allocatable), labels=dict(self.labels),
+            interruption_probability=self.interruption_probability, resources=self.resources,
+            allocatable=self.allocatable, labels=self.labels,
             host=HostRef(self.host.provider, self.host.ref), cluster=self.cluster,
-            shard_metadata=dict(self.shard_metadata), last_error=self.last_error, op_id=self.op_id,
-            modified=self.modified,
+            shard_metadata=self.shard_metadata, last_error=self.last_error, op_id=self.op_id,
+            modified=self.modified, _wire=self._wire, _static=self._static,
         )
 
     def to_proto(self) -> provider_pb2.Machine:
@@ -192,9 +197,37 @@ class MachineRecord:
         return m
 
     def wire(self) -> bytes:
-        """Serialized ``Machine`` bytes, cached until the record changes."""
+        """Serialized ``Machine`` bytes, cached until the record changes.
+
+        Protobuf fields may appear in any order, so the encoding is the cached
+        bytes of the rarely-changing fields followed by a small hand-encoded
+        part for the fields every transition touches (id, state, host,
+        last_error, cluster, shard_metadata).
+        """
         if self._wire is None:
-            self._wire = self.to_proto().SerializeToString(deterministic=True)
+            if self._static is None:
+                m = provider_pb2.Machine(
+                    instance_type=self.instance_type, zone=self.zone,
+                    capacity_type=int(self.capacity_type),  # type: ignore[arg-type]
+                    price_per_hour=self.price_per_hour, interruption_probability=self.interruption_probability,
+                    labels=self.labels,
+                )
+                if self.resources:
+                    m.resources.resources.update(self.resources)
+                if self.allocatable:
+                    m.allocatable.resources.update(self.allocatable)
+                self._static = m.SerializeToString(deterministic=True)
+            parts = [self._static, _str_field(0x0A, self.id)]
+            if self.state:
+                parts.append(b"\x10" + _varint(int(self.state)))
+            if not self.host.empty:
+                parts.append(_bytes_field(0x1A, _str_field(0x0A, self.host.provider) + _str_field(0x12, self.host.ref)))
+            parts.append(_str_field(0x62, self.last_error))
+            parts.append(_str_field(0x72, self.cluster))
+            for k in sorted(self.shard_metadata):
+                entry = _bytes_field(0x0A, k.encode()) + _bytes_field(0x12, self.shard_metadata[k].encode())
+                parts.append(_bytes_field(0x7A, entry))
+            self._wire = b"".join(parts)
         return self._wire
 
     def to_json(self) -> dict[str, object]:
@@ -221,6 +254,24 @@ class MachineRecord:
             cluster=str(d.get("cluster", "")), shard_metadata=_str_map(d.get("shard_metadata")),
             last_error=str(d.get("last_error", "")), op_id=str(d.get("op_id", "")),
         )
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _bytes_field(tag: int, payload: bytes) -> bytes:
+    return bytes((tag,)) + _varint(len(payload)) + payload
+
+
+def _str_field(tag: int, value: str) -> bytes:
+    """A proto3 string field; the empty string is the default and is omitted."""
+    return _bytes_field(tag, value.encode()) if value else b""
 
 
 def _str_map(v: object) -> dict[str, str]:

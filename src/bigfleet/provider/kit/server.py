@@ -11,7 +11,6 @@ late answer from the backend is dropped by the core's operation-id check.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -157,6 +156,8 @@ class ProviderServer:
             self.log.info("provider state reloaded", machines=len(self.core.machines), revision=self.core.rev,
                           interrupted=len(failed))
         await self.committer.flush()
+        for rec in self.core.machines.values():
+            rec.wire()  # encode once at boot, so the first List of a big fleet is as fast as the rest
         self.started = True
 
     async def reconcile(self) -> int:
@@ -177,11 +178,12 @@ class ProviderServer:
         grace = self.options.stop_grace if grace is None else grace
         if self._tasks and grace > 0:
             await asyncio.wait(set(self._tasks), timeout=grace)
-        for t in list(self._tasks) + list(self._orphans):
+        pending = list(self._tasks) + list(self._orphans)
+        for t in pending:
             t.cancel()
-        for t in list(self._tasks):
-            with contextlib.suppress(BaseException):
-                await t
+        if pending:
+            # A backend that ignores cancellation is not waited for beyond a moment.
+            await asyncio.wait(pending, timeout=1.0)
         await self.committer.flush()
 
     # ---- the six RPCs (bytes out, so List of a big fleet skips re-encoding) -------------------------
@@ -192,10 +194,12 @@ class ProviderServer:
         except KitError:
             await self.committer.flush()  # a passing fence still moved the mark
             raise
-        await self.committer.flush()
+        live = self.core.machines[machine_id]
+        reply = encode_ack(ack.operation_id, live if live.modified == ack.machine.modified else ack.machine)
+        await self.committer.flush()  # durable before any substrate work starts
         if ack.started:
             self._spawn(kind, ack.machine, ack.operation_id, extra)
-        return encode_ack(ack.operation_id, ack.machine)
+        return reply
 
     async def create(self, req: provider_pb2.CreateRequest) -> bytes:
         return await self._mutate(
@@ -259,31 +263,47 @@ class ProviderServer:
         return None
 
     async def _run(self, kind: Kind, rec: MachineRecord, op_id: str, extra: dict[str, Any]) -> None:
+        """Run the substrate work; a timer declares it FAILED at the deadline without waiting for it.
+
+        One task and one timer handle per transition (no extra futures): this
+        path runs for every lifecycle call, so it is kept lean.
+        """
         timeout = self.options.timeout(kind)
-        work = asyncio.ensure_future(self._work(kind, rec, op_id, extra))
-        try:
-            done, _ = await asyncio.wait({work}, timeout=timeout)
-        except asyncio.CancelledError:
-            work.cancel()
-            raise
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        timer = loop.call_later(timeout, self._on_timeout, kind, rec.id, op_id, timeout, task)
         result: CreateResult | None = None
         error: str | None = None
         outcome = "success"
-        if work in done:
-            if work.cancelled():
-                error, outcome = f"{kind.value} transition was cancelled", "failed"
-            elif (exc := work.exception()) is not None:
-                error, outcome = f"{kind.value} failed: {exc or type(exc).__name__}", "failed"
-            else:
-                result = work.result()
-        else:
-            # Do not wait for a backend that ignores cancellation; its late answer is dropped.
-            work.cancel()
-            self._orphans.add(work)
-            work.add_done_callback(self._orphan_done)
-            error, outcome = f"{kind.value} transition timed out after {timeout:g}s", "timeout"
+        try:
+            result = await self._work(kind, rec, op_id, extra)
+        except asyncio.CancelledError:
+            if timer.cancelled() or loop.time() < timer.when():
+                timer.cancel()
+                raise  # the server is closing: leave the machine for restart recovery
+            return  # cancelled by our own timeout, which already recorded the failure
+        except Exception as exc:
+            error, outcome = f"{kind.value} failed: {exc or type(exc).__name__}", "failed"
+        finally:
+            timer.cancel()
+        self._finish(kind, rec.id, op_id, error, outcome, result)
+        await self.committer.flush()
+
+    def _on_timeout(self, kind: Kind, mid: str, op_id: str, timeout: float, task: asyncio.Task[Any] | None) -> None:
+        self._finish(kind, mid, op_id, f"{kind.value} transition timed out after {timeout:g}s", "timeout", None)
+        if task is not None:
+            # The task keeps running if the backend ignores cancellation; its late answer is dropped.
+            task.cancel()
+            self._orphans.add(task)
+            task.add_done_callback(self._orphan_done)
+        flush = asyncio.ensure_future(self.committer.flush())
+        self._orphans.add(flush)
+        flush.add_done_callback(self._orphan_done)
+
+    def _finish(self, kind: Kind, mid: str, op_id: str, error: str | None, outcome: str,
+                result: CreateResult | None) -> None:
         applied = self.core.complete(
-            rec.id, kind, op_id, error,
+            mid, kind, op_id, error,
             host=result.host if result else None,
             resources=result.resources if result else None,
             allocatable=result.allocatable if result else None,
@@ -291,9 +311,8 @@ class ProviderServer:
         if not applied:
             outcome = "stale"
         self.metrics.transitions.labels(kind.value, outcome).inc()
-        if error is not None:
-            self.log.warning("transition failed", machine=rec.id, kind=kind.value, operation_id=op_id, error=error)
-        await self.committer.flush()
+        if error is not None and applied:
+            self.log.warning("transition failed", machine=mid, kind=kind.value, operation_id=op_id, error=error)
 
     def _orphan_done(self, fut: asyncio.Future[Any]) -> None:
         self._orphans.discard(fut)
