@@ -28,6 +28,14 @@ from bigfleet.v1alpha1 import provider_pb2 as pb
 from bigfleet.v1alpha1 import provider_pb2_grpc as pbg
 
 
+def cpu_seconds(pid: int) -> float:
+    """User+system CPU time of a process (Linux /proc), to state capacity per core under a shared box."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def start(seed: int, extra: list[str]) -> tuple[ManagedProcess, str]:
     target = f"127.0.0.1:{free_port()}"
     proc = ManagedProcess.bigfleet(["fake-provider", "--listen", target, "--seed-count", str(seed),
@@ -166,13 +174,17 @@ def main(argv: list[str]) -> int:
     for label, extra in (("memory", []), ("state-file", ["--state-file", str(Path(tempfile.mkdtemp()) / "s.json")])):
         proc, target = start(args.machines, extra)
         try:
+            cpu0 = cpu_seconds(proc.pid)
             rows = lifecycle(target, args.machines, args.concurrency, args.client_procs)
+            cpu = cpu_seconds(proc.pid) - cpu0
         finally:
             proc.stop()
         for name, calls, rate, p50, p99 in rows:
             print(f"{label:<10} {name:<10} {calls:>6} {rate:>8.0f} {p50:>8.2f} {p99:>8.2f}")
-        total = sum(r[1] for r in rows) / sum(r[1] / r[2] for r in rows)
-        print(f"{label:<10} {'all four':<10} {sum(r[1] for r in rows):>6} {total:>8.0f}")
+        n_calls = sum(r[1] for r in rows)
+        total = n_calls / sum(r[1] / r[2] for r in rows)
+        print(f"{label:<10} {'all four':<10} {n_calls:>6} {total:>8.0f}   provider CPU {cpu:.1f} s "
+              f"(incl. settle polling) = {n_calls / cpu:.0f} lifecycle RPC per CPU-second")
 
     print(f"\n### List of {args.list_machines} machines")
     cold, warm = list_in_process(args.list_machines, args.repeats)
