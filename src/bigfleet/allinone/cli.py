@@ -1,0 +1,228 @@
+"""`bigfleet all-in-one`: coordinator, fake provider and shard as supervised processes, plus N simulated
+clusters whose operators speak the real Session protocol; a live view, and a summary at the end.
+
+The demand comes from a built-in workload scenario (steady services, batch bursts, a rack gang,
+spot-tolerant jobs, a priority spike that forces preemption, withdrawals) or ``--scenario FILE``
+(the simulator's YAML format; one scenario cycle = one ``--tick``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from bigfleet.allinone.fleet import Fleet, FleetSpec
+from bigfleet.allinone.operators import WireOperator
+from bigfleet.observability import configure_logging
+from bigfleet.sim.harness import SimCluster
+from bigfleet.sim.scenario import Scenario, ScenarioError, load, mixed_fleet
+
+STATES = ("speculative", "creating", "idle", "configuring", "configured", "draining", "deleting", "failed")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bigfleet all-in-one", description=__doc__.split("\n\n")[0])
+    p.add_argument("--clusters", type=int, default=20, help="simulated clusters (built-in scenario)")
+    p.add_argument("--duration", type=float, default=120.0, help="seconds to run before the summary")
+    p.add_argument("--scenario", default="", help="YAML scenario file (see docs/simulator.md)")
+    p.add_argument("--tick", type=float, default=1.0, help="seconds per scenario cycle (roll-up period)")
+    p.add_argument("--plain", action="store_true", help="periodic plain lines instead of the live view "
+                                                         "(the default when stdout is not a terminal)")
+    p.add_argument("--print-every", type=float, default=5.0, help="seconds between plain lines")
+    p.add_argument("--log-level", default="warning")
+    a = p.parse_args(argv)
+    if a.clusters < 1 or a.duration <= 0 or a.tick <= 0:
+        p.error("--clusters, --duration and --tick must be positive")
+    return a
+
+
+@dataclass
+class Snapshot:
+    elapsed: float = 0.0
+    cycle: int = 0
+    states: Counter[str] = field(default_factory=Counter)
+    total: int = 0
+    inflight: int = 0
+    shortfalls: int = 0
+    needs: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    actions_last: Counter[str] = field(default_factory=Counter)
+    connected: int = 0
+    demand: int = 0
+    configured_in_clusters: int = 0
+    double_assigned: int = 0
+    restarts: dict[str, int] = field(default_factory=dict)
+
+
+def bound_report(ops: list[WireOperator]) -> tuple[int, int]:
+    """(machines configured across the clusters' own views, machines claimed by more than one cluster)."""
+    owners: Counter[str] = Counter()
+    for op in ops:
+        for mid in op.model.nodes:
+            owners[mid] += 1
+    configured = sum(1 for op in ops for st in op.model.nodes.values() if st == 5)
+    return configured, sum(1 for n in owners.values() if n > 1)
+
+
+def render_plain(s: Snapshot) -> str:
+    st = " ".join(f"{k}={s.states.get(k, 0)}" for k in STATES if s.states.get(k, 0))
+    acts = " ".join(f"{k}={v}" for k, v in sorted(s.actions_last.items())) or "-"
+    return (f"[{s.elapsed:6.1f}s] cycle={s.cycle} machines={s.total} {st} | needs={s.needs} "
+            f"demand~{s.demand} machines shortfalls={s.shortfalls} in-flight={s.inflight} | "
+            f"actions since last: {acts} | clusters connected={s.connected}")
+
+
+def render_rich(s: Snapshot, ops: list[WireOperator], duration: float) -> Any:
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.table import Table
+
+    inv = Table(title="Inventory by state", expand=True)
+    for k in STATES:
+        inv.add_column(k, justify="right")
+    inv.add_row(*(str(s.states.get(k, 0)) for k in STATES))
+    head = Table.grid(expand=True)
+    head.add_row(f"[b]t[/b] {s.elapsed:5.0f}s / {duration:.0f}s", f"[b]cycle[/b] {s.cycle}",
+                 f"[b]needs[/b] {s.needs}", f"[b]shortfalls[/b] {s.shortfalls}", f"[b]in flight[/b] {s.inflight}",
+                 f"[b]double-assigned[/b] {s.double_assigned}")
+    acts = Table(title="Actions (since last refresh / total)", expand=True)
+    for k in ("Create", "Configure", "Drain", "Delete"):
+        acts.add_column(k, justify="right")
+    acts.add_row(*(f"{s.actions_last.get(k, 0)} / {int(s.metrics.get('actions:' + k, 0))}"
+                   for k in ("Create", "Configure", "Drain", "Delete")))
+    cl = Table(title="Clusters", expand=True)
+    for col in ("cluster", "connected", "workloads", "demand (machines)", "configured", "bootstraps", "reclaims"):
+        cl.add_column(col, justify="right" if col != "cluster" else "left")
+    cycle = s.cycle
+    for op in ops[:12]:
+        m = op.model
+        cl.add_row(m.cluster_id, "yes" if op.connected.is_set() else "[red]no[/red]",
+                   ",".join(w.name for w, _ in m.active(cycle)) or "-", str(m.demand_machines(cycle)),
+                   str(sum(1 for st in m.nodes.values() if st == 5)), str(op.bootstraps), str(op.reclaims))
+    if len(ops) > 12:
+        cl.caption = f"... and {len(ops) - 12} more clusters"
+    return Panel(Group(head, inv, acts, cl), title="BigFleet all-in-one")
+
+
+def summary(s: Snapshot, ops: list[WireOperator], wall: float) -> str:
+    lines = ["", "=== BigFleet all-in-one summary ===",
+             f"ran {wall:.0f}s: {int(s.metrics.get('cycles', 0))} shard cycles, {len(ops)} clusters, "
+             f"{sum(o.rollups for o in ops)} roll-ups sent",
+             "inventory: " + ", ".join(f"{k} {s.states.get(k, 0)}" for k in STATES) + f" (total {s.total})",
+             "actions: " + ", ".join(f"{k} {int(s.metrics.get('actions:' + k, 0))}"
+                                     for k in ("Create", "Configure", "Drain", "Delete")),
+             f"bootstraps answered {sum(o.bootstraps for o in ops)}, reclaims acknowledged "
+             f"{sum(o.reclaims for o in ops)}, operator reconnects {sum(max(0, o.connects - 1) for o in ops)}",
+             f"demand at the end ~{s.demand} machines; configured in clusters {s.configured_in_clusters}; "
+             f"shortfalls {s.shortfalls}",
+             f"double-assigned machines: {s.double_assigned}",
+             "daemon restarts: " + (", ".join(f"{k} {v}" for k, v in s.restarts.items() if v) or "none"),
+             "result: " + ("OK" if s.double_assigned == 0 else "PROBLEM (a machine is claimed by two clusters)")]
+    return "\n".join(lines)
+
+
+async def observe(fleet: Fleet, ops: list[WireOperator], cycle: int, started: float,
+                  prev: dict[str, float]) -> Snapshot:
+    s = Snapshot(elapsed=time.monotonic() - started, cycle=cycle, restarts=dict(fleet.restarts))
+    with contextlib.suppress(Exception):
+        c = await fleet.counts()
+        s.states = Counter({k.lower().removeprefix("machine_state_"): int(v) for k, v in c.by_state.items()})
+        s.total, s.inflight = int(c.total), int(c.in_flight)
+    with contextlib.suppress(Exception):
+        s.shortfalls = len((await fleet.shortfalls()).shortfalls)
+    with contextlib.suppress(Exception):
+        s.metrics = await asyncio.to_thread(fleet.metrics)
+    for k, v in s.metrics.items():
+        if k.startswith("actions:"):
+            d = int(v - prev.get(k, 0))
+            if d:
+                s.actions_last[k.split(":", 1)[1]] = d
+    s.connected = sum(1 for o in ops if o.connected.is_set())
+    s.needs = sum(len(o.model.active(cycle)) for o in ops)
+    s.demand = sum(o.model.demand_machines(cycle) for o in ops)
+    s.configured_in_clusters, s.double_assigned = bound_report(ops)
+    return s
+
+
+async def run(args: argparse.Namespace, scenario: Scenario) -> int:
+    plain = args.plain or not sys.stdout.isatty()
+    spec = FleetSpec(committed=scenario.committed, speculative=scenario.speculative,
+                     cycle_interval=max(0.5, args.tick))
+    fleet = Fleet(spec)
+    print(f"starting coordinator, fake provider ({scenario.committed} hosts + {scenario.speculative} quota slots) "
+          f"and shard; logs in {spec.workdir / 'logs'}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    ops: list[WireOperator] = []
+    started = time.monotonic()
+    snap = Snapshot()
+    try:
+        await asyncio.to_thread(fleet.start)
+        ops = [WireOperator(SimCluster(cid, ws), fleet.addrs["shard"]) for cid, ws in sorted(scenario.clusters.items())]
+        for op in ops:
+            op.start()
+        print(f"fleet up: shard {fleet.addrs['shard']}, coordinator {fleet.addrs['coordinator']}, "
+              f"provider {fleet.addrs['provider']}; {len(ops)} simulated clusters", flush=True)
+        started = time.monotonic()
+        cycle, prev, last_print = 0, dict[str, float](), 0.0
+        live: Any = None
+        if not plain:
+            from rich.live import Live
+
+            live = Live(render_rich(snap, ops, args.duration), refresh_per_second=2)
+            live.start()
+        try:
+            while not stop.is_set() and time.monotonic() - started < args.duration:
+                now_ns = time.time_ns()
+                for f in scenario.faults:
+                    if f.at == cycle and f.cluster:
+                        for op in ops:
+                            if op.cluster_id == f.cluster and f.kind in ("disconnect", "reconnect"):
+                                op.cut_off = f.kind == "disconnect"
+                for op in ops:
+                    op.tick(cycle, now_ns)
+                for name in await asyncio.to_thread(fleet.check):
+                    print(f"supervisor: {name} exited; restarted it", flush=True)
+                snap = await observe(fleet, ops, cycle, started, prev)
+                if plain:
+                    if snap.elapsed - last_print >= args.print_every:
+                        print(render_plain(snap), flush=True)
+                        last_print = snap.elapsed
+                        prev = dict(snap.metrics)
+                else:
+                    live.update(render_rich(snap, ops, args.duration))
+                    prev = dict(snap.metrics)
+                cycle += 1
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), args.tick)
+        finally:
+            if live is not None:
+                live.stop()
+        snap = await observe(fleet, ops, cycle, started, prev)
+        print(summary(snap, ops, time.monotonic() - started), flush=True)
+        return 0 if snap.double_assigned == 0 else 1
+    finally:
+        for op in ops:
+            await op.stop()
+        await asyncio.to_thread(fleet.stop)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    configure_logging(args.log_level, "console", "all-in-one")
+    try:
+        cycles = max(1, int(args.duration / args.tick))
+        scenario = load(args.scenario) if args.scenario else mixed_fleet(args.clusters, cycles)
+    except (ScenarioError, OSError) as exc:
+        print(f"bigfleet all-in-one: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(run(args, scenario))

@@ -1,0 +1,127 @@
+"""Simulated cluster operators speaking the real ``Shard.Session`` protocol over gRPC.
+
+Each one owns a ``SimCluster`` demand model (the simulator's): every tick it
+rolls up its whole current demand, answers bootstrap pulls and reclaim
+instructions, and follows its nodes from NodeStateUpdates. It reconnects
+after a lost stream, as a real operator does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+
+import grpc
+
+from bigfleet.observability import get_logger
+from bigfleet.rpc import insecure_channel
+from bigfleet.sim.harness import BLOB, SimCluster
+from bigfleet.v1alpha1 import provider_pb2, shard_pb2, shard_pb2_grpc
+
+log = get_logger("bigfleet.allinone.operator")
+S = provider_pb2.MachineState
+
+
+@dataclass
+class WireOperator:
+    model: SimCluster
+    target: str
+    rollups: int = 0
+    bootstraps: int = 0
+    reclaims: int = 0
+    connects: int = 0
+    cut_off: bool = False
+    last_error: str = ""
+    _out: asyncio.Queue[shard_pb2.OperatorMessage] = field(default_factory=asyncio.Queue)
+    _task: asyncio.Task[None] | None = None
+    _stop: asyncio.Event = field(default_factory=asyncio.Event)
+    connected: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def cluster_id(self) -> str:
+        return self.model.cluster_id
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"operator-{self.cluster_id}")
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    def tick(self, cycle: int, now_ns: int) -> None:
+        """Roll the current demand up (a full replacement, as the real operator sends)."""
+        self.model.advance_batches(cycle)
+        if self.connected.is_set() and not self.cut_off:
+            self._out.put_nowait(shard_pb2.OperatorMessage(rollup=self.model.rollup(cycle, now_ns)))
+            self.rollups += 1
+
+    async def _run(self) -> None:
+        delay = 0.2
+        while not self._stop.is_set():
+            if self.cut_off:
+                await asyncio.sleep(0.2)
+                continue
+            try:
+                await self._session()
+                delay = 0.2
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as exc:
+                self.last_error = f"{exc.code().name}: {exc.details()}"
+            except Exception as exc:  # keep the simulated cluster alive whatever happened
+                self.last_error = str(exc)
+                log.warning("operator session error", cluster=self.cluster_id, error=str(exc))
+            self.connected.clear()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    async def _session(self) -> None:
+        async with insecure_channel(self.target) as ch:
+            call = shard_pb2_grpc.ShardStub(ch).Session()
+            await call.write(shard_pb2.OperatorMessage(
+                hello=shard_pb2.Hello(cluster_id=self.cluster_id, protocol_version="v1alpha1")))
+            self.connects += 1
+            self.model.nodes.clear()  # the shard replays every bound node after the Hello
+            while not self._out.empty():
+                self._out.get_nowait()  # stale roll-ups: the next tick sends the current demand
+            self.connected.set()
+            writer = asyncio.create_task(self._write(call))
+            try:
+                async for msg in call:
+                    self._handle(msg)
+                    if self.cut_off:
+                        call.cancel()
+                        return
+            finally:
+                writer.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await writer
+
+    async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
+        while True:
+            await call.write(await self._out.get())
+
+    def _handle(self, msg: shard_pb2.ShardMessage) -> None:
+        kind = msg.WhichOneof("payload")
+        m = self.model
+        if kind == "node_state_update":
+            u = msg.node_state_update
+            if u.state in (S.MACHINE_STATE_CONFIGURING, S.MACHINE_STATE_CONFIGURED, S.MACHINE_STATE_DRAINING):
+                m.nodes[u.machine_id] = u.state
+                cpu = u.resources.resources.get("cpu", "0")
+                m.node_cpu[u.machine_id] = float(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu or 0)
+            else:
+                m.nodes.pop(u.machine_id, None)
+        elif kind == "bootstrap_request":
+            self.bootstraps += 1
+            self._out.put_nowait(shard_pb2.OperatorMessage(bootstrap_response=shard_pb2.BootstrapBlobResponse(
+                request_id=msg.bootstrap_request.request_id, user_data=BLOB, ttl_seconds=3600)))
+        elif kind == "reclaim_instruction":
+            self.reclaims += 1
+            ri = msg.reclaim_instruction
+            self._out.put_nowait(shard_pb2.OperatorMessage(reclaim_ack=shard_pb2.ReclaimAck(
+                instruction_id=ri.instruction_id, nodes_started=len(ri.nodes))))

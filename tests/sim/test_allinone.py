@@ -1,0 +1,44 @@
+"""`bigfleet all-in-one` as a new user runs it: a real subprocess, no TTY, ends by itself with a summary."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "bigfleet.cli.main", "all-in-one", *args],
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_all_in_one_runs_a_fleet_and_prints_a_summary() -> None:
+    r = _run("--clusters", "3", "--duration", "20", "--print-every", "5")
+    out = r.stdout
+    assert r.returncode == 0, out + r.stderr
+    assert "fleet up:" in out
+    assert re.search(r"^\[\s*\d+\.\ds\] cycle=\d+ machines=\d+", out, re.M), out  # plain lines without a TTY
+    assert "=== BigFleet all-in-one summary ===" in out
+    assert "double-assigned machines: 0" in out and "result: OK" in out
+    m = re.search(r"actions: Create (\d+), Configure (\d+), Drain (\d+), Delete (\d+)", out)
+    assert m and int(m.group(2)) > 0, out
+    configured = re.search(r"configured in clusters (\d+)", out)
+    assert configured and int(configured.group(1)) > 0, out
+    cycles = re.search(r"ran \d+s: (\d+) shard cycles", out)
+    assert cycles and int(cycles.group(1)) > 3, out
+    inv = re.search(r"inventory: .*configured (\d+).*\(total (\d+)\)", out)
+    assert inv and int(inv.group(2)) > 0 and int(inv.group(1)) > 0, out
+
+
+def test_all_in_one_refuses_a_bad_scenario_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("clusters: {a: [{name: w, pods: 2}]}\ncylces: 3\n")
+    r = _run("--scenario", str(bad), timeout=60)
+    assert r.returncode == 2 and "unknown keys" in r.stderr
+    r = _run("--duration", "0", timeout=60)
+    assert r.returncode == 2
