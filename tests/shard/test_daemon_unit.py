@@ -156,3 +156,30 @@ def test_view_routes_updates_and_rejects_bad_records() -> None:
     m2 = v.machine("m2")
     assert m2 is not None and m2.cluster == "c2"  # the engine sees the reservation
     assert [p.id for p in v.bound_to("c2")] == ["m2"]
+
+
+async def test_forked_engine_matches_the_in_process_engine() -> None:
+    import time as _time
+
+    from bigfleet.decision import EngineConfig
+    from bigfleet.needs import rollup_from_proto
+    from bigfleet.shard.daemon import _compute, _compute_forked, verdict_row
+
+    view = MachineView()
+    for i in range(6):
+        view.set(machine(f"i{i}", S.MACHINE_STATE_IDLE, price=0.1 + i / 100))
+    view.set(machine("b1", S.MACHINE_STATE_CONFIGURED, "c2"))
+    needs = []
+    for c, prio in (("c1", 100), ("c2", 5), ("c3", 1_000_000)):
+        _, ns = rollup_from_proto(rollup(c, [need("7", count=2, priority=prio, zone="us-east-1a")]), 1)
+        needs += ns
+    snapshot = tuple(sorted(needs, key=lambda n: (-n.priority, n.cluster_id)))
+    machines = list(view.machines())
+    args = (snapshot, machines, frozenset(), list(snapshot), _time.time_ns(), EngineState(), EngineConfig())
+    d_thread, hints_thread = _compute(*args)
+    d_fork, hints_fork, rows = await _compute_forked(*args)
+    assert d_fork.actions == d_thread.actions and d_thread.actions
+    assert d_fork.shortfalls == d_thread.shortfalls
+    assert d_fork.state == d_thread.state
+    assert hints_fork == hints_thread
+    assert rows == {(v.cluster_id, v.fingerprint): verdict_row(v) for v in d_thread.verdicts}

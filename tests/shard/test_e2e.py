@@ -97,8 +97,10 @@ async def test_demand_configures_rejects_malformed_and_reclaims() -> None:
             assert spy.per_machine("Delete") == {mid: 1 for mid in created}
 
 
-async def test_higher_priority_cluster_preempts_lower() -> None:
-    async with fleet(("--seed-count", "0", "--committed-count", "2")) as (_prov, spy, shard):  # noqa: SIM117
+@pytest.mark.parametrize("engine", ["thread", "fork"])
+async def test_higher_priority_cluster_preempts_lower(engine: str) -> None:
+    shard_args = ("--engine-fork",) if engine == "fork" else ()
+    async with fleet(("--seed-count", "0", "--committed-count", "2"), shard_args) as (_prov, spy, shard):  # noqa: SIM117
         async with FakeOperator(shard.addr, "low") as low, FakeOperator(shard.addr, "high") as high:
             await low.send_rollup([need("7", count=2, priority=100)])
             await until(lambda: _bound(shard, "low", 2), 40, "low cluster holds both machines")
@@ -110,6 +112,9 @@ async def test_higher_priority_cluster_preempts_lower() -> None:
             assert preempts[0].grace_period_seconds == 10  # priority gap > 900 000
             assert not high.reclaims()
             assert len(spy.of("Drain")) == 1
+            # verdicts reach InspectNeeds in both engine modes
+            frames = await shard.inspect("high")
+            assert frames[0].header.cycle > 0 and frames[1].need.claimed_machine_count == 1
 
 
 async def _bound(shard: ShardProc, cluster: str, n: int) -> bool:

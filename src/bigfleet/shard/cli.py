@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spot-hold-seconds", type=int, help="idle spot release hold (<= 0: never)")
     p.add_argument("--no-empty-rollup-guard", dest="empty_rollup_guard", action="store_const", const=False)
     p.add_argument("--dry-run", action="store_const", const=True)
+    p.add_argument("--engine-fork", action="store_const", const=True,
+                   help="run each cycle's engine in a forked child (keeps the GIL free for sessions)")
     p.add_argument("--paused", action="store_const", const=True)
     add_tls_arguments(p)
     p.add_argument("--log-level")
@@ -136,6 +138,7 @@ async def serve(settings: Any, tls: TLSConfig | None = None) -> int:
             dry_run=settings.dry_run,
         ),
         guard=GuardConfig(enabled=settings.empty_rollup_guard),
+        compute_fork=settings.engine_fork,
     )
     daemon = ShardDaemon(cfg, metrics, tls=tls)
     server, health = build_server(RoleInterceptor(SHARD_POLICY, registry=registry, component="shard"))

@@ -37,6 +37,7 @@ class ShardSettings(BaseSettings):
     dry_run: bool = False
     paused: bool = False
     heartbeat_interval: float = Field(10.0, gt=0)
+    engine_fork: bool = False
     gil_switch_interval: float = Field(0.0005, gt=0, le=0.1)
     log_level: str = "info"
     log_format: str = "json"

@@ -8,7 +8,10 @@ executor completions and cycles interleave only at ``await`` points.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
+import os
+import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -16,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from bigfleet.decision import decide  # imported up front: a forked child must not need the import lock
 from bigfleet.decision.types import Configure, Create, Decision, Delete, Drain, EngineConfig
 from bigfleet.machine import MachineState
 from bigfleet.needs import Need, ValidationError, requirement_to_proto, rollup_from_proto
@@ -54,6 +58,9 @@ class DaemonConfig:
     clock: Callable[[], float] = time.monotonic
     wall_ns: Callable[[], int] = time.time_ns
     compute_inline: bool = False
+    # Run each cycle's engine in a forked child (copy-on-write inputs, no GIL shared with the
+    # session loop); only actions, shortfalls, state and compact verdict rows come back.
+    compute_fork: bool = False
 
 
 @dataclass
@@ -64,6 +71,8 @@ class CycleRecord:
     computed_at_unix_nanos: int = 0
     needs: tuple[Need, ...] = ()
     decision: Decision | None = None
+    # Fork mode: verdicts as compact rows keyed by (cluster, fingerprint) (see verdict_row()).
+    verdict_rows: dict[tuple[str, str], tuple[Any, ...]] = field(default_factory=dict)
 
 
 class ShardDaemon:
@@ -217,8 +226,13 @@ class ShardDaemon:
         busy = frozenset(self.view.inflight)
         connected = [n for n in snapshot if self.sessions.get(n.cluster_id) is not None]
         t0 = time.perf_counter()
+        rows: dict[tuple[str, str], tuple[Any, ...]] = {}
         if self.config.compute_inline:
             decision, hints = _compute(snapshot, machines, busy, connected, now, self.store.engine_state(), engine_cfg)
+        elif self.config.compute_fork:
+            decision, hints, rows = await _compute_forked(
+                snapshot, machines, busy, connected, now, self.store.engine_state(), engine_cfg
+            )
         else:
             decision, hints = await asyncio.to_thread(
                 _compute, snapshot, machines, busy, connected, now, self.store.engine_state(), engine_cfg
@@ -232,7 +246,7 @@ class ShardDaemon:
         self._execute(decision)
         self.metrics.phase_duration.labels("execute").observe(time.perf_counter() - t1)
         self.metrics.shortfalls.set(len(decision.shortfalls))
-        self.last = CycleRecord(self.cycles, now, snapshot, decision)
+        self.last = CycleRecord(self.cycles, now, snapshot, decision, rows)
         await self._emit_availability(connected, hints)
         self._update_inventory_gauge()
         self.metrics.cycle_duration.observe(time.perf_counter() - cycle_started)
@@ -399,11 +413,73 @@ def _compute(
     snapshot: tuple[Need, ...], machines: list[Any], busy: frozenset[str], connected: list[Need], now: int,
     state: Any, cfg: EngineConfig,
 ) -> tuple[Decision, dict[Any, availability.Availability]]:
-    """The pure part of a cycle (runs on a worker thread)."""
-    from bigfleet.decision import decide
-
+    """The pure part of a cycle (runs on a worker thread or in a forked child)."""
     decision = decide(snapshot, machines, now, state, cfg)
     return decision, availability.compute(connected, machines, busy)
+
+
+def verdict_row(v: Any) -> tuple[Any, ...]:
+    """A Verdict as plain data (cheap to unpickle in bulk); field order is what readsvc reads."""
+    ms = v.matching_supply
+    freed = v.capacity_freed.to_wire() if v.capacity_freed is not None else None
+    return (v.satisfied, v.claimed_count, v.bootstrap_count, v.provision_count, v.same_domain,
+            v.same_satisfiable, v.parked, v.parked_age_cycles, v.age_cycles_unmet, int(v.unmet_reason),
+            tuple(v.deficit.to_wire().items()) if not v.satisfied else (),
+            (ms.idle, ms.configured, ms.speculative, ms.capped), v.victims_found,
+            tuple(freed.items()) if freed else ())
+
+
+def _child_compute(w: int, args: tuple[Any, ...]) -> None:
+    """Runs in the forked child: compute, write the pickled result, never return."""
+    code = 1
+    try:
+        gc.disable()
+        decision, hints = _compute(*args)
+        rows = {(v.cluster_id, v.fingerprint): verdict_row(v) for v in decision.verdicts}
+        payload = pickle.dumps((replace(decision, verdicts=()), hints, rows), protocol=5)
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(w, view):]
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def _read_all(fd: int) -> bytes:
+    chunks: list[bytes] = []
+    while True:
+        b = os.read(fd, 1 << 20)
+        if not b:
+            return b"".join(chunks)
+        chunks.append(b)
+
+
+async def _compute_forked(
+    snapshot: tuple[Need, ...], machines: list[Any], busy: frozenset[str], connected: list[Need], now: int,
+    state: Any, cfg: EngineConfig,
+) -> tuple[Decision, dict[Any, availability.Availability], dict[tuple[str, str], tuple[Any, ...]]]:
+    """The engine in a forked child. The child touches nothing but pure code and a pipe (no gRPC,
+    no logging, no garbage collector) and leaves with os._exit; the parent reads on a thread."""
+    r, w = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(r)
+        os.close(w)
+        raise
+    if pid == 0:  # pragma: no cover - child
+        os.close(r)
+        _child_compute(w, (snapshot, machines, busy, connected, now, state, cfg))
+    os.close(w)
+    try:
+        data = await asyncio.to_thread(_read_all, r)
+    finally:
+        os.close(r)
+        _, status = await asyncio.to_thread(os.waitpid, pid, 0)
+    if status != 0 or not data:
+        raise RuntimeError(f"engine child failed (wait status {status})")
+    decision, hints, rows = pickle.loads(data)
+    return decision, hints, rows
 
 
 def binding_for_need(n: Need) -> Binding:

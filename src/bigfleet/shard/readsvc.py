@@ -7,7 +7,7 @@ is soft state from the last cycle; GetInventoryCounts is live.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -47,6 +47,9 @@ class ShardReadServicer(shardread_pb2_grpc.ShardReadServicer):
             )
             view.bootstrap_error = self.d.executor.bootstrap_failures.get((n.cluster_id, n.fingerprint), "")
             v = verdicts.get((n.cluster_id, n.fingerprint))
+            row = rec.verdict_rows.get((n.cluster_id, n.fingerprint)) if v is None else None
+            if row is not None:
+                _fill_from_row(view, row)
             if v is not None:
                 view.satisfied = v.satisfied
                 view.claimed_machine_count = v.claimed_count
@@ -105,6 +108,31 @@ class ShardReadServicer(shardread_pb2_grpc.ShardReadServicer):
         if request.limit:
             out = out[: request.limit]
         return shardread_pb2.ListShortfallsResponse(cycle=rec.cycle, shortfalls=out)
+
+
+def _fill_from_row(view: shardread_pb2.NeedView, row: tuple[Any, ...]) -> None:
+    """The fork-mode twin of the Verdict branch above (row layout: daemon.verdict_row)."""
+    (satisfied, claimed, boot, prov, domain, same_sat, parked, parked_age, age_unmet, reason, deficit,
+     ms, victims, freed) = row
+    view.satisfied = bool(satisfied)
+    view.claimed_machine_count = int(claimed)
+    view.bootstrap_count = int(boot)
+    view.provision_count = int(prov)
+    view.same_domain = str(domain)
+    view.same_satisfiable = bool(same_sat)
+    view.acquisition_parked = bool(parked)
+    view.parked_age_cycles = int(parked_age)
+    view.age_cycles_unmet = int(age_unmet)
+    r = int(reason)
+    view.unmet_reason = r if r <= 4 else 0  # type: ignore[assignment]
+    if not satisfied:
+        view.residual_deficit.resources.update(dict(deficit))
+        idle, configured, spec, capped = ms
+        view.matching_supply.CopyFrom(shardread_pb2.MatchingSupply(
+            idle=idle, configured=configured, speculative=spec, capped=capped))
+        if r == 4:
+            view.preemption.victims_found = int(victims)
+            view.preemption.capacity_freed.resources.update(dict(freed))
 
 
 def shortfalls_to_proto(shortfalls: object) -> list[coordinator_pb2.Shortfall]:
