@@ -5,6 +5,7 @@ shard enforces on the engine's actions (first-roll-up gate, in-flight dedupe, ap
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -175,7 +176,8 @@ async def test_forked_engine_matches_the_in_process_engine() -> None:
         needs += ns
     snapshot = tuple(sorted(needs, key=lambda n: (-n.priority, n.cluster_id)))
     machines = list(view.machines())
-    args = (snapshot, machines, frozenset(), list(snapshot), _time.time_ns(), EngineState(), EngineConfig())
+    args: tuple[Any, ...] = (snapshot, machines, frozenset(), list(snapshot), _time.time_ns(), EngineState(),
+                             EngineConfig())
     d_thread, hints_thread = _compute(*args)
     d_fork, hints_fork, rows = await _compute_forked(*args)
     assert d_fork.actions == d_thread.actions and d_thread.actions
