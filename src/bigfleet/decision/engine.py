@@ -11,7 +11,7 @@ import gc
 import heapq
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from itertools import islice, repeat
+from itertools import groupby, islice, repeat
 from operator import attrgetter
 from typing import Any, TypeVar
 
@@ -345,28 +345,32 @@ def _hold(cy: _Cycle, m: Machine, n: _N) -> None:
 
 
 def _band_hold(cy: _Cycle, n: _N, state: int, lists: list[tuple[MClass, list[Machine]]]) -> bool:
-    """Credit several classes in bulk when each has a single reclamation value (keep order is then
-    class after class). Consecutive classes of equal allocatable are concatenated once per cycle
-    into one run, so crediting a need is one slice and one C-level dict update per run. False: not
-    applicable, or a run was not clean (the caller finishes machine by machine; nothing taken so far
-    is undone)."""
-    recl = _RECL
+    """Credit in bulk. The keep order over several classes is precomputed once per cycle as a few
+    "runs" (segments of equal price and reclamation penalty, class after class, neighbours of equal
+    allocatable concatenated), so crediting a need is one slice and one C-level dict update per run.
+    False: a run was not clean (the caller finishes machine by machine; nothing taken is undone)."""
     hit = cy._band.get(id(lists))
     if hit is not None and hit[0] is lists:
         runs = hit[1]
     else:
-        for _, lst in lists:
-            if recl(lst[0]) != recl(lst[-1]):
-                cy._band[id(lists)] = (lists, None)
-                return False
-        ordered = sorted(lists, key=lambda t: (t[0].price, -recl(t[1][0]), t[0].sort_key))
-        runs = []
-        for c, lst in ordered:
+        # split every class list into segments of equal reclamation penalty (contiguous: the list is
+        # in keep order), order segments by (price, reclamation desc, class), then concatenate
+        # neighbours of equal allocatable into runs
+        segs: list[tuple[float, float, Any, Vec, list[Machine], int, int]] = []
+        for c, lst in lists:
             a = cy.alloc[c.idx]
+            pos = 0
+            for r, grp in groupby(map(m_reclamation, lst)):
+                cnt = len(list(grp))
+                segs.append((c.price, -r, c.sort_key, a, lst, pos, pos + cnt))
+                pos += cnt
+        segs.sort(key=lambda t: (t[0], t[1], t[2]))
+        runs = []
+        for _, _, _, a, lst, lo, hi in segs:
             if runs and runs[-1][0] == a:
-                runs[-1][1].extend(lst)
+                runs[-1][1].extend(lst[lo:hi])
             else:
-                runs.append((a, list(lst)))
+                runs.append((a, lst[lo:hi]))
         cy._band[id(lists)] = (lists, runs)
     if runs is None:
         return False
