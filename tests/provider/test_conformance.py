@@ -154,3 +154,14 @@ def test_suite_catches_broken_providers(in_process: Any, breaker: Any, must_fail
     failed = {r.id for r in results if r.status == "fail"}
     assert must_fail <= failed, _summary(results)
     assert "C101" not in failed
+
+
+def test_launcher_reports_a_provider_that_does_not_start(tmp_path: Path) -> None:
+    bad = f"{sys.executable} -c 'import sys; print(\"boom\"); sys.exit(3)' {{listen}}"
+    results = run_suite(None, ["core", "fault"], bad, Params(start_timeout=20), tmp_path)
+    assert results and all(r.status == "fail" for r in results)
+    assert "exited with 3" in results[0].detail and "boom" in results[0].detail
+    results = run_suite(None, ["durability"], f"{sys.executable} -c pass {{listen}}", Params(), tmp_path)
+    assert all(r.status == "skip" and "state_file" in r.detail for r in results)
+    results = run_suite(None, ["core"], f"{sys.executable} -c pass", Params(), tmp_path)
+    assert all(r.status == "fail" and "{listen}" in r.detail for r in results)

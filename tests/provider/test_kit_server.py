@@ -235,3 +235,35 @@ def test_state_file_is_plain_json(tmp_path: Path) -> None:
     store.save(core.snapshot())
     data = json.loads((tmp_path / "x.json").read_text())
     assert set(data) >= {"machines", "fences", "ops", "rev", "next_op"} and len(data["machines"]) == 3
+
+
+async def test_simulated_cloud_dwell_and_fault_rules() -> None:
+    from bigfleet.provider.fake.backend import Dwell, FaultPlan, FaultRule
+    from bigfleet.provider.kit.model import Kind
+
+    plan = FaultPlan([
+        FaultRule("fail", cluster="bad"),
+        FaultRule("hang", label=("bigfleet.fake/billing", "spot"), kinds=frozenset({Kind.CREATE})),
+    ])
+    cloud = SimulatedCloud(build_catalog(4), dwell=Dwell(create=0.05), faults=plan)
+    running = await serve(cloud, options=KitOptions(create_timeout=0.4))
+    try:
+        async with insecure_channel(f"127.0.0.1:{running.port}") as ch:
+            s = pbg.CapacityProviderStub(ch)
+            machines = (await s.List(pb.ListFilter())).machines
+            spot = next(m.id for m in machines if m.capacity_type == pb.CAPACITY_TYPE_SPOT)
+            od = next(m.id for m in machines if m.capacity_type == pb.CAPACITY_TYPE_ON_DEMAND)
+            t0 = asyncio.get_running_loop().time()
+            await s.Create(pb.CreateRequest(machine_id=od))
+            await s.Create(pb.CreateRequest(machine_id=spot))
+            assert (await s.Get(pb.MachineRef(id=od))).state == pb.MACHINE_STATE_CREATING  # dwell in progress
+            await wait_state(s, od, pb.MACHINE_STATE_IDLE)
+            assert asyncio.get_running_loop().time() - t0 >= 0.05
+            m = await wait_state(s, spot, pb.MACHINE_STATE_FAILED)
+            assert "timed out" in m.last_error
+            await s.Configure(pb.ConfigureRequest(machine_id=od, cluster_id="bad"))
+            m = await wait_state(s, od, pb.MACHINE_STATE_FAILED)
+            assert "simulated configure failure" in m.last_error
+            assert cloud.calls[Kind.CREATE] == 2
+    finally:
+        await running.stop()
