@@ -12,6 +12,7 @@ import gc
 import hashlib
 import os
 import pickle
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -456,7 +457,7 @@ def _read_all(fd: int) -> bytes:
 
 async def _compute_forked(
     snapshot: tuple[Need, ...], machines: list[Any], busy: frozenset[str], connected: list[Need], now: int,
-    state: Any, cfg: EngineConfig,
+    state: Any, cfg: EngineConfig, timeout: float = 300.0,
 ) -> tuple[Decision, dict[Any, availability.Availability], dict[tuple[str, str], tuple[Any, ...]]]:
     """The engine in a forked child. The child touches nothing but pure code and a pipe (no gRPC,
     no logging, no garbage collector) and leaves with os._exit; the parent reads on a thread."""
@@ -472,10 +473,13 @@ async def _compute_forked(
         _child_compute(w, (snapshot, machines, busy, connected, now, state, cfg))
     os.close(w)
     try:
-        data = await asyncio.to_thread(_read_all, r)
+        data = await asyncio.wait_for(asyncio.to_thread(_read_all, r), timeout)
+    except TimeoutError:
+        os.kill(pid, signal.SIGKILL)  # a stuck child must not stall cycles forever
+        raise
     finally:
-        os.close(r)
         _, status = await asyncio.to_thread(os.waitpid, pid, 0)
+        os.close(r)
     if status != 0 or not data:
         raise RuntimeError(f"engine child failed (wait status {status})")
     decision, hints, rows = pickle.loads(data)
