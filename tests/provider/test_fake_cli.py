@@ -78,6 +78,7 @@ def test_state_file_survives_kill(tmp_path: Path) -> None:
                 assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
                 ack = s.Create(pb.CreateRequest(machine_id=ids[2]), timeout=10)
                 assert ack.operation_id not in ("op-1", "op-2", "op-3")
+            assert proc2.stop() == 0, proc2.logs()  # SIGTERM: a clean exit
         finally:
             proc2.stop()
     finally:

@@ -267,3 +267,22 @@ async def test_simulated_cloud_dwell_and_fault_rules() -> None:
             assert cloud.calls[Kind.CREATE] == 2
     finally:
         await running.stop()
+
+
+async def test_reconcile_refreshes_prices_and_adds_machines() -> None:
+    cloud = SimulatedCloud(build_catalog(3))
+    running = await serve(cloud)
+    try:
+        rev = running.provider.core.rev
+        first = cloud.catalog[0]
+        first.price_per_hour = 7.5
+        cloud.catalog.append(Instance("new-0", "t", "z", CapacityType.ON_DEMAND, 1.0))
+        assert await running.provider.reconcile() == 2
+        async with insecure_channel(f"127.0.0.1:{running.port}") as ch:
+            s = pbg.CapacityProviderStub(ch)
+            lst = await s.List(pb.ListFilter(since_revision=str(rev).encode()))
+            got = {m.id: m.price_per_hour for m in lst.machines}
+            assert got == {first.id: 7.5, "new-0": 1.0}
+        assert await running.provider.reconcile() == 0
+    finally:
+        await running.stop()

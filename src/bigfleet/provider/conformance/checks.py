@@ -1056,3 +1056,15 @@ def scale_mixed(c: Ctx) -> None:
     errs = [r for r in results if isinstance(r, BaseException)]
     expect(not errs, f"{len(errs)} clients failed: {errs[0]!r:.200}" if errs else "")
     c.shared.setdefault("report", []).append(f"mixed reads {16 * per / dt:.0f} RPC/s (16 clients)")
+
+
+@check("durability", "D707", "a graceful stop (SIGTERM) and restart also keeps everything")
+def durable_graceful(c: Ctx) -> None:
+    before = c.shared.get("graceful_before")
+    if before is None:
+        raise Skip("graceful restart did not run")
+    now = {m.id: m.SerializeToString(deterministic=True) for m in c.h.list().machines}
+    expect(set(now) == set(before), "machine ids changed across a graceful restart")
+    changed = [mid for mid, raw in before.items() if now[mid] != raw
+               and pb.Machine.FromString(raw).state not in (CREATING, CONFIGURING, DRAINING, DELETING)]
+    expect(not changed, f"{len(changed)} settled machines changed across a graceful restart: {changed[:3]}")

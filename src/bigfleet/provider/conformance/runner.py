@@ -32,6 +32,7 @@ from bigfleet.provider.kit.faults import ENV_ENABLE, ENV_TIMEOUT
 from bigfleet.testing import free_port
 
 LANES = ("core", "fault", "durability", "scale")
+GRACEFUL = "D707"  # runs after a SIGTERM restart, not with the other durability checks
 
 
 @dataclass
@@ -201,13 +202,16 @@ def run_suite(
             if on_result:
                 on_result(r)
 
-    def run(lane: str, tgt: str, shared: dict[str, Any] | None = None) -> None:
+    def run(lane: str, tgt: str, shared: dict[str, Any] | None = None, ids: set[str] | None = None) -> None:
         def cb(r: Result) -> None:
             results.append(r)
             if on_result:
                 on_result(r)
 
-        _run_lane(lane, tgt, params, shared, only, cb)
+        wanted = ids if only is None else (only if ids is None else ids & only)
+        if wanted is not None and not wanted:
+            return
+        _run_lane(lane, tgt, params, shared, wanted, cb)
 
     launcher: Launcher | None = None
     if provider_cmd:
@@ -266,7 +270,7 @@ def _with_launched(launcher: Launcher, lane: str, seed: int, state: Path | None,
 
 
 def emit_durability(launcher: Launcher, workdir: Path, params: Params,
-                    run: Callable[[str, str, dict[str, Any]], None],
+                    run: Callable[[str, str, dict[str, Any], set[str] | None], None],
                     emit: Callable[[list[Result]], None]) -> None:
     state = workdir / "durability" / "provider-state.json"
     env = {ENV_ENABLE: "1", ENV_TIMEOUT: "120"}  # long enough that the hung transition is in flight at the kill
@@ -293,7 +297,21 @@ def emit_durability(launcher: Launcher, workdir: Path, params: Params,
         emit(_lane_failed("durability", f"restart on the same state failed: {exc}"))
         return
     try:
-        run("durability", target, shared)
+        run("durability", target, shared, {c.id for c in checks_for("durability")} - {GRACEFUL})
+        h = Harness(target, settle_timeout=params.settle_timeout)
+        try:
+            shared["graceful_before"] = {m.id: m.SerializeToString(deterministic=True) for m in h.list().machines}
+        finally:
+            h.close()
+    finally:
+        launcher.stop()  # SIGTERM this time
+    try:
+        target = launcher.start("durability-graceful", 7, state, env)
+    except LaunchError as exc:
+        emit([Result("durability", GRACEFUL, "graceful restart", "fail", 0.0, str(exc))])
+        return
+    try:
+        run("durability", target, shared, {GRACEFUL})
     finally:
         launcher.stop()
 

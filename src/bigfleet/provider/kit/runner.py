@@ -16,7 +16,7 @@ from dataclasses import replace
 from bigfleet.observability import configure_logging, get_logger, new_registry, start_metrics_server
 from bigfleet.provider.kit.backend import Backend
 from bigfleet.provider.kit.faults import ConformanceFaults, fault_timeout, faults_enabled
-from bigfleet.provider.kit.server import KitOptions, serve
+from bigfleet.provider.kit.server import KitOptions, ProviderServer, serve
 from bigfleet.provider.kit.store import FileStore, NullStore, Store
 
 
@@ -27,6 +27,8 @@ def add_common_args(p: argparse.ArgumentParser, default_listen: str = "127.0.0.1
                    help="seconds before any transition is declared FAILED (default: create/configure/delete "
                         "300, drain 600)")
     p.add_argument("--require-zone", action="store_true", help="refuse backend records without a zone")
+    p.add_argument("--reconcile-interval", type=float, default=0.0,
+                   help="seconds between Describe reconciles (prices, probabilities, new machines); 0 = off")
     p.add_argument("--metrics-listen", default="", help="HOST:PORT for /metrics (empty = off)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", default="json", choices=["json", "console"])
@@ -65,12 +67,29 @@ async def serve_until_signal(
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    reconciler = None
+    if args.reconcile_interval > 0:
+        reconciler = asyncio.create_task(_reconcile_loop(running.provider, args.reconcile_interval, log))
     await stop.wait()
     log.info("provider stopping")
+    if reconciler is not None:
+        reconciler.cancel()
     await running.stop(grace=1.0)
     if metrics is not None:
         metrics.stop()
     return 0
+
+
+async def _reconcile_loop(provider: ProviderServer, interval: float, log: object) -> None:
+    """Fold the backend's current truth in periodically; a failed Describe is logged and retried."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            changed = await provider.reconcile()
+            if changed:
+                log.info("reconciled with the backend", changed=changed)  # type: ignore[attr-defined]
+        except Exception as exc:
+            log.warning("reconcile failed", error=str(exc))  # type: ignore[attr-defined]
 
 
 def run(backend: Backend, args: argparse.Namespace, options: KitOptions | None = None,
