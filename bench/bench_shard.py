@@ -125,12 +125,20 @@ class Session:
             pass
 
 
-def histogram_quantile(text: str, name: str, q: float) -> float:
-    buckets: list[tuple[float, float]] = []
+def _buckets(text: str, name: str) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
     for line in text.splitlines():
         if line.startswith(name + "_bucket{"):
             le = line.split('le="', 1)[1].split('"', 1)[0]
-            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
+            out.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
+    return out
+
+
+def histogram_quantile(text: str, name: str, q: float, baseline: str = "") -> float:
+    """Upper bucket bound holding quantile ``q`` of the observations made after ``baseline``."""
+    buckets = _buckets(text, name)
+    base = dict(_buckets(baseline, name)) if baseline else {}
+    buckets = [(le, c - base.get(le, 0.0)) for le, c in buckets]
     if not buckets or buckets[-1][1] == 0:
         return float("nan")
     total = buckets[-1][1]
@@ -203,10 +211,12 @@ async def drive(args: argparse.Namespace, shard_addr: str, pid: int, metrics_url
         "p99_ms": lat[min(n - 1, int(n * 0.99))] * 1000 if n else float("nan"),
         "max_ms": lat[-1] * 1000 if n else float("nan"),
         "mean_ms": statistics.fmean(lat) * 1000 if n else float("nan"),
-        "server_handle_p99_ms_le": histogram_quantile(text1, "bigfleet_shard_rollup_handle_seconds", 0.99) * 1000,
+        "server_handle_p99_ms_le": histogram_quantile(text1, "bigfleet_shard_rollup_handle_seconds", 0.99, text0) * 1000,
+        "loop_lag_p99_ms_le": histogram_quantile(text1, "bigfleet_shard_event_loop_lag_seconds", 0.99, text0) * 1000,
+        "loop_lag_max_ms_le": histogram_quantile(text1, "bigfleet_shard_event_loop_lag_seconds", 1.0, text0) * 1000,
         "cycles": cycles,
-        "cycle_p50_s_le": histogram_quantile(text1, "bigfleet_shard_cycle_duration_seconds", 0.5),
-        "cycle_p99_s_le": histogram_quantile(text1, "bigfleet_shard_cycle_duration_seconds", 0.99),
+        "cycle_p50_s_le": histogram_quantile(text1, "bigfleet_shard_cycle_duration_seconds", 0.5, text0),
+        "cycle_p99_s_le": histogram_quantile(text1, "bigfleet_shard_cycle_duration_seconds", 0.99, text0),
         "shard_cpu_idle_cores": cpu_idle,
         "shard_cpu_load_cores": (cpu_m1 - cpu_m0) / (t_m1 - t_m0),
         "shard_rss_start_mb": rss0,

@@ -360,6 +360,15 @@ class ShardDaemon:
 
     async def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._start_loops(), name="shard-loops"))
+        if not self.config.compute_inline:  # (the simulator's virtual clock has no real lag)
+            self._tasks.append(asyncio.create_task(self._watch_loop_lag(), name="shard-loop-lag"))
+
+    async def _watch_loop_lag(self) -> None:
+        """Sessions are served by this loop; a stall here is latency for every operator."""
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.1)
+            self.metrics.loop_lag.observe(max(0.0, time.perf_counter() - t0 - 0.1))
 
     async def _start_loops(self) -> None:
         await self.initial_reconcile()

@@ -62,6 +62,10 @@ class ShardMetrics:
         self.outbox_overflow = Counter(
             "bigfleet_shard_outbox_overflow_total", "Sessions closed because their outbox overflowed", registry=r
         )
+        self.loop_lag = Histogram(
+            "bigfleet_shard_event_loop_lag_seconds", "How late a 100 ms timer fires (event loop stalls)",
+            buckets=_exp(0.001, 2, 14), registry=r,
+        )
         self.bootstrap_duration = Histogram(
             "bigfleet_shard_request_bootstrap_seconds", "Bootstrap pull round trip", buckets=_exp(0.01, 2, 16), registry=r
         )
