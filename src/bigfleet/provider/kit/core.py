@@ -282,7 +282,7 @@ class ProviderCore:
                 rec.shard_metadata = {}
         rec.op_id = ""
         self.rev += 1
-        rec.touch(self.rev, shape_changed=kind == Kind.CREATE)
+        rec.touch(self.rev, shape_changed=error is None and (resources is not None or allocatable is not None))
         self._dirty_m.add(machine_id)
         self.changes += 1
         return True
