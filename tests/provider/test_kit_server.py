@@ -286,3 +286,18 @@ async def test_reconcile_refreshes_prices_and_adds_machines() -> None:
         assert await running.provider.reconcile() == 0
     finally:
         await running.stop()
+
+
+async def test_undecodable_request_is_invalid_argument() -> None:
+    running = await serve(Scripted())
+    try:
+        async with insecure_channel(f"127.0.0.1:{running.port}") as ch:
+            raw = ch.unary_unary("/bigfleet.v1alpha1.CapacityProvider/Create")
+            # field 1 (machine_id) carrying invalid UTF-8, then a truncated varint
+            for payload in (b"\x0a\x02\xff\xfe", b"\x20\xff"):
+                with pytest.raises(grpc.aio.AioRpcError) as ei:
+                    await raw(payload)
+                assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert running.provider.core.rev == 4
+    finally:
+        await running.stop()

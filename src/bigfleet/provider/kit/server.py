@@ -321,13 +321,18 @@ class ProviderServer:
 
     # ---- gRPC wiring -----------------------------------------------------------------------------
 
-    def _handler(self, method: str, fn: Callable[[Any], Awaitable[bytes]]) -> Callable[..., Awaitable[bytes]]:
+    def _handler(self, method: str, fn: Callable[[Any], Awaitable[bytes]], msg: Any) -> Callable[..., Awaitable[bytes]]:
         rpcs, seconds, log = self.metrics.rpcs, self.metrics.rpc_seconds.labels(method), self.log
+        parse = msg.FromString
 
-        async def handle(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        async def handle(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
             t0 = time.perf_counter()
             code = "OK"
             try:
+                try:
+                    request = parse(raw)
+                except Exception as exc:  # malformed bytes or invalid UTF-8 in a string field
+                    raise KitError(grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse {method} request: {exc}") from None
                 return await fn(request)
             except KitError as exc:
                 code = exc.code.name
@@ -357,7 +362,7 @@ class ProviderServer:
         }
         handlers = {
             name: grpc.unary_unary_rpc_method_handler(
-                self._handler(name, fn), request_deserializer=msg.FromString, response_serializer=ident,
+                self._handler(name, fn, msg), request_deserializer=ident, response_serializer=ident,
             )
             for name, (fn, msg) in table.items()
         }
