@@ -176,6 +176,7 @@ class _Cycle:
         self.vused: dict[tuple[int, int], int] = {}
         self.zero: Vec = tuple(0 for _ in dims)
         self._eligible: dict[tuple[tuple[Requirement, ...], Vec], list[MClass]] = {}
+        self._eligible_set: dict[tuple[tuple[Requirement, ...], Vec], set[int]] = {}
         # Caches keyed by id() of a list also hold that list, so the id cannot be reused by another
         # object while the entry exists (a hit is also checked by identity).
         self._ordered: dict[tuple[int, int, float], tuple[list[MClass], list[list[MClass]]]] = {}
@@ -222,6 +223,13 @@ class _Cycle:
             minu = n.minu
             got = [c for c in self.ix.matched_classes(n.reqs) if _covers(alloc[c.idx], minu)]
             self._eligible[k] = got
+        return got
+
+    def eligible_set(self, n: _N) -> set[int]:
+        k = (n.reqs, n.minu)
+        got = self._eligible_set.get(k)
+        if got is None:
+            got = self._eligible_set[k] = {c.idx for c in self.eligible(n)}
         return got
 
     def domains(self, n: _N, key: str) -> list[tuple[str, list[MClass]]]:
@@ -327,7 +335,13 @@ def _bound_lists(cy: _Cycle, n: _N, state: int) -> list[tuple[MClass, list[Machi
     k = (n.cluster, state, n.reqs, n.minu)
     got = cy._bound.get(k)
     if got is None:
-        got = [(c, by_class[c.idx]) for c in cy.eligible(n) if c.idx in by_class]
+        elig = cy.eligible(n)
+        if len(by_class) < len(elig):
+            eset = cy.eligible_set(n)
+            classes = cy.ix.classes
+            got = [(classes[ci], lst) for ci, lst in by_class.items() if ci in eset]
+        else:
+            got = [(c, by_class[c.idx]) for c in elig if c.idx in by_class]
         got.sort(key=lambda t: (t[0].price, t[0].idx))
         cy._bound[k] = got
     return got
