@@ -114,7 +114,7 @@ def test_soak_10k_cycles() -> None:
         if getattr(st, "cycle", 0) in (1000, 9999):
             marks.append(rss_bytes())
 
-    res = Simulator(soak_config(10_000), settle_cycles=30, on_cycle=on_cycle).run()
+    res = Simulator(soak_config(10_000), settle_cycles=30, on_cycle=on_cycle, keep_trace=False).run()
     assert res.violations == [], "\n".join(map(str, res.violations))
     assert len(marks) == 2 and marks[1] - marks[0] < 64 * 2**20, marks
 

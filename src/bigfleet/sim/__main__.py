@@ -74,7 +74,7 @@ def soak(cycles: int, clusters: int = 12) -> int:
             marks.append((c, rss_bytes()))
 
     started = time.perf_counter()
-    sim = Simulator(soak_config(cycles, clusters), settle_cycles=30, on_cycle=on_cycle)
+    sim = Simulator(soak_config(cycles, clusters), settle_cycles=30, on_cycle=on_cycle, keep_trace=False)
     res = sim.run()
     wall = time.perf_counter() - started
     growth = marks[-1][1] - marks[0][1] if len(marks) >= 2 else 0

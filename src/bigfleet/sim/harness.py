@@ -204,8 +204,9 @@ def _action_line(a: Any) -> dict[str, Any]:
 
 class Simulator:
     def __init__(self, scenario: Scenario, *, settle_cycles: int = 0,
-                 on_cycle: Callable[[CycleStats], None] | None = None) -> None:
+                 on_cycle: Callable[[CycleStats], None] | None = None, keep_trace: bool = True) -> None:
         self.sc = scenario
+        self.keep_trace = keep_trace  # a soak keeps no trace, so memory growth means a leak
         self.settle_cycles = settle_cycles
         self.on_cycle = on_cycle
         self.rng = random.Random(scenario.seed)
@@ -298,7 +299,8 @@ class Simulator:
     # -- the loop ----------------------------------------------------------------------------------
 
     def _emit(self, rec: dict[str, Any]) -> None:
-        self.trace.append(json.dumps(rec, sort_keys=True, separators=(",", ":")))
+        if self.keep_trace:
+            self.trace.append(json.dumps(rec, sort_keys=True, separators=(",", ":")))
 
     async def _cycle(self, cycle: int, final_demand: bool) -> None:
         sh = self.shard
