@@ -160,10 +160,13 @@ class MachineRecord:
     _wire: bytes | None = field(default=None, repr=False, compare=False)
     # Encoding of the fields that rarely change (shape, cost, labels); see wire().
     _static: bytes | None = field(default=None, repr=False, compare=False)
+    # wire() framed as one element of MachineList.machines (tag + length + bytes).
+    _framed: bytes | None = field(default=None, repr=False, compare=False)
 
     def touch(self, rev: int, shape_changed: bool = False) -> None:
         self.modified = rev
         self._wire = None
+        self._framed = None
         if shape_changed:
             self._static = None
 
@@ -176,7 +179,7 @@ class MachineRecord:
             allocatable=self.allocatable, labels=self.labels,
             host=HostRef(self.host.provider, self.host.ref), cluster=self.cluster,
             shard_metadata=self.shard_metadata, last_error=self.last_error, op_id=self.op_id,
-            modified=self.modified, _wire=self._wire, _static=self._static,
+            modified=self.modified, _wire=self._wire, _static=self._static, _framed=self._framed,
         )
 
     def to_proto(self) -> provider_pb2.Machine:
@@ -195,6 +198,12 @@ class MachineRecord:
         if self.allocatable:
             m.allocatable.resources.update(self.allocatable)
         return m
+
+    def framed(self) -> bytes:
+        if self._framed is None:
+            w = self.wire()
+            self._framed = b"\x0a" + _varint(len(w)) + w
+        return self._framed
 
     def wire(self) -> bytes:
         """Serialized ``Machine`` bytes, cached until the record changes.
