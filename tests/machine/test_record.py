@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type,no-untyped-call,unused-ignore"
 """Machine record: sharing, immutability, replace, effective cost, invariants."""
 
 from __future__ import annotations

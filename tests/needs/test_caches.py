@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type,no-untyped-call,unused-ignore"
 """The parse/profile caches are invisible: same answers, and errors are never remembered."""
 
 from __future__ import annotations

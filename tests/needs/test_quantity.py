@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type,no-untyped-call,unused-ignore"
 """Kubernetes quantity parsing into exact milli-units, and canonical formatting."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type,no-untyped-call,unused-ignore"
 """Demand protos ↔ domain: validation naming the field, and lossless round trips."""
 
 from __future__ import annotations
