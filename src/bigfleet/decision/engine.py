@@ -263,7 +263,8 @@ def _strip_same(p: Profile) -> Profile:
     )
 
 
-def normalize(needs: Sequence[Need], ix: Index) -> tuple[list[tuple[Need, list[Need]]], int]:
+def normalize(needs: Sequence[Need], ix: Index, free_classes: set[int] | None = None
+              ) -> tuple[list[tuple[Need, list[Need]]], int]:
     """Fold Same needs whose whole aggregate fits on one machine into plain needs.
 
     A gang that fits on one machine cannot be split across domains, so co-location is automatic;
@@ -276,7 +277,8 @@ def normalize(needs: Sequence[Need], ix: Index) -> tuple[list[tuple[Need, list[N
     groups: dict[tuple[str, str, Resources], list[Need]] = {}
     stripped: dict[tuple[str, str, Resources], Profile] = {}
     strip_memo: dict[tuple[Any, ...], Profile] = {}
-    free_classes = {ci for (st, ci) in ix.pool}
+    if free_classes is None:
+        free_classes = {ci for (_st, ci) in ix.pool}
     own_memo: dict[str, set[int]] = {}
     memo: dict[tuple[str, tuple[Requirement, ...], Resources], bool] = {}
     folded = 0
@@ -373,6 +375,9 @@ def _band_hold(cy: _Cycle, n: _N, state: int, lists: list[tuple[MClass, list[Mac
         segs: list[tuple[float, float, Any, Vec, list[Machine], int, int]] = []
         for c, lst in lists:
             a = cy.alloc[c.idx]
+            if _RECL(lst[0]) == _RECL(lst[-1]):  # one penalty in the whole class (the common case)
+                segs.append((c.price, -m_reclamation(lst[0]), c.sort_key, a, lst, 0, len(lst)))
+                continue
             pos = 0
             for r, grp in groupby(map(m_reclamation, lst)):
                 cnt = len(list(grp))
@@ -1109,6 +1114,7 @@ class Engine:
         base_key = (dims, ix.free_ver, ix.classes_ver)
 
         cached: dict[str, _ClusterCache] = {}
+        free: set[int] | None = None
         fresh: list[tuple[str, tuple[Need, ...], tuple[Any, ...], list[_N]]] = []
         folded = 0
         n_in = 0
@@ -1122,7 +1128,9 @@ class Engine:
                 cy.held[c] = cc.held
                 cy.hconf[c] = cc.hconf
                 continue
-            rows_raw, f = normalize(cn, ix)
+            if free is None:
+                free = {ci for (_st, ci) in ix.pool}
+            rows_raw, f = normalize(cn, ix, free)
             folded += f
             rows = [_N(nd, members, dims) for nd, members in rows_raw]
             for n in rows:
