@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2_grpc
 
 from bigfleet.observability import configure_logging, get_logger, new_registry, start_metrics_server
 from bigfleet.rpc.options import NOT_SERVING, SERVING, server_options
+from bigfleet.security.limits import SESSION_STREAM_LIMIT
 from bigfleet.security.roles import SHARD_POLICY, RoleInterceptor
 from bigfleet.security.tls import TLSConfig, add_port, add_tls_arguments, tls_from_args_or_exit
 from bigfleet.v1alpha1 import shard_pb2_grpc, shardread_pb2_grpc
@@ -141,7 +142,11 @@ async def serve(settings: Any, tls: TLSConfig | None = None) -> int:
         compute_fork=settings.engine_fork,
     )
     daemon = ShardDaemon(cfg, metrics, tls=tls)
-    server, health = build_server(RoleInterceptor(SHARD_POLICY, registry=registry, component="shard"))
+    # Per-session flood control and frame size bounds (roll-ups paced, floods/oversize closed).
+    session_limits = {"/bigfleet.v1alpha1.Shard/Session": SESSION_STREAM_LIMIT}
+    server, health = build_server(
+        RoleInterceptor(SHARD_POLICY, registry=registry, component="shard", stream_limits=session_limits)
+    )
     shard_pb2_grpc.add_ShardServicer_to_server(daemon.servicer, server)
     shardread_pb2_grpc.add_ShardReadServicer_to_server(ShardReadServicer(daemon), server)
     shardread_pb2_grpc.add_ShardAdminServicer_to_server(ShardAdminServicer(daemon), server)
