@@ -207,3 +207,24 @@ async def test_failed_transition_is_served_from_elsewhere_and_sigterm_is_explici
             assert op.status == grpc.StatusCode.UNAVAILABLE and "reconnect" in op.details
 
 
+
+
+async def test_reconnect_replaces_session_and_replays_node_state() -> None:
+    async with fleet(("--seed-count", "0", "--committed-count", "2")) as (_p, spy, shard):  # noqa: SIM117
+        async with FakeOperator(shard.addr, "c1") as op1:
+            await op1.send_rollup([need("7", count=2)])
+            await until(lambda: _bound_configured(shard, "c1", 2), 30, "2 Configured")
+            bound = {m.id for m in await spy.list_machines() if m.cluster == "c1"}
+            async with FakeOperator(shard.addr, "c1") as op2:
+                # the newer session wins; the older one is closed with an explicit status
+                await until(lambda: op1.status is not None, 10, "old session closed")
+                assert op1.status == grpc.StatusCode.ABORTED
+                # the new session gets the node state of every bound machine without asking
+                await until(lambda: set(op2.latest_node_states()) == bound, 10, "node state replay")
+                assert set(op2.latest_node_states().values()) == {S.MACHINE_STATE_CONFIGURED}
+                assert op2.frames[0].WhichOneof("payload") == "ack"
+                # and keeps working: its roll-up is acknowledged, nothing is reclaimed
+                await op2.send_rollup([need("7", count=2)])
+                await until(lambda: op2.acks("rollup"), 10, "roll-up ack on the new session")
+                await shard.wait_cycles(3)
+                assert not op2.reclaims() and not spy.of("Drain")
