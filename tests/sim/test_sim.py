@@ -13,7 +13,7 @@ from bigfleet.machine.state import MachineState
 from bigfleet.provider.kit.model import State
 from bigfleet.sim import InvariantChecker, ScenarioError, Simulator, builtin, load
 from bigfleet.sim.__main__ import GOLDEN, SETTLE, golden_trace, soak_config
-from bigfleet.sim.scenario import BUILTIN, RACK_LABEL, from_dict
+from bigfleet.sim.scenario import BUILTIN, KNOWN_ISSUES, RACK_LABEL, from_dict
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden"
 
@@ -27,7 +27,10 @@ def _states(sim: Simulator) -> Counter[State]:
     return Counter(State(int(m.state)) for m in sim.provider.core.machines.values())
 
 
-@pytest.mark.parametrize("name", sorted(BUILTIN))
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_ISSUES[n])) if n in KNOWN_ISSUES else n
+    for n in sorted(BUILTIN)
+])
 def test_builtin_scenarios_hold_every_invariant(name: str) -> None:
     sim, res = _run(name)
     assert res.violations == [], "\n".join(map(str, res.violations))  # type: ignore[attr-defined]
@@ -82,6 +85,14 @@ def test_gang_lands_on_one_rack_and_withdraws_when_done() -> None:
     racks = {sim.provider.core.machines[a["machine"]].labels[RACK_LABEL] for a in configures}
     assert len(configures) == 3 and len(racks) == 1
     assert _states(sim)[State.CONFIGURED] == 0  # the job completed and withdrew
+
+
+def test_known_issue_gang_beside_service_is_need_swapping() -> None:
+    """Pins the finding precisely, so a fix shows up here (then drop it from KNOWN_ISSUES)."""
+    _, res = _run("gang-beside-service")
+    rules = {v.rule for v in res.violations}  # type: ignore[attr-defined]
+    assert rules == {"no-overprovision"}
+    assert res.totals["Configure"] > 5 and res.totals["Drain"] > 3  # type: ignore[attr-defined]
 
 
 def test_same_seed_same_trace() -> None:
