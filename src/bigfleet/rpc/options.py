@@ -21,8 +21,19 @@ _SIZE_OPTIONS: list[tuple[str, Any]] = [
 ]
 
 
+# Clients ping every 20 s to keep long-lived streams (Session) alive through idle periods.
+# Servers must accept pings at least that often, with or without calls in flight,
+# or they answer GOAWAY "too_many_pings" and drop the idle streams.
+_SERVER_KEEPALIVE: list[tuple[str, Any]] = [
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
 def server_options(extra: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
-    return [*_SIZE_OPTIONS, ("grpc.so_reuseport", 0), *extra]
+    return [*_SIZE_OPTIONS, ("grpc.so_reuseport", 0), *_SERVER_KEEPALIVE, *extra]
 
 
 def channel_options(extra: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
