@@ -17,7 +17,7 @@ OWNED = ["index.md", "architecture.md", "concepts.md", "quickstart.md", "operato
 OWNED += [f"adr/{p.name}" for p in sorted((DOCS / "adr").glob("*.md"))]
 # Written by other engineers; linked before they may exist in a given build.
 OTHERS = {"decision-engine.md", "provider-author-guide.md", "shard.md", "coordinator.md", "operator.md",
-          "security.md", "performance.md"}
+          "security.md", "performance.md", "simulator.md"}
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#([^)\s]+))?\)")
 
 
