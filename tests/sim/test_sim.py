@@ -179,6 +179,17 @@ def test_checker_flags_overprovisioning_but_allows_the_reclaim_lag() -> None:
     assert c.violations and c.violations[0].rule == "no-overprovision"
 
 
+def test_checker_flags_creates_beyond_a_need_and_a_node_in_two_clusters() -> None:
+    c = _checker(3)
+    provider, view = _fake({f"m{i}": _m(State.CREATING) for i in range(3)})
+    for i in range(3):
+        provider.core.machines[f"m{i}"].shard_metadata = {"bigfleet.lucy.sh/assigned-need-fingerprint": "fp1"}
+        view.reserved_for[f"m{i}"] = "a"
+    c.after_cycle(0, 0.0, provider, view, {"a": 5}, Counter(), need_bounds={("a", "fp1"): 2},
+                  cluster_nodes={"a": {"x": int(State.CONFIGURED)}, "b": {"x": int(State.CONFIGURED)}})
+    assert sorted(v.rule for v in c.violations) == ["no-double-create", "one-cluster"], c.violations
+
+
 def test_checker_flags_a_machine_stuck_in_a_transition() -> None:
     c = _checker(1)
     provider, view = _fake({"m": _m(State.CREATING)})

@@ -30,7 +30,7 @@ from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.shard.provider_client import ProviderClient
 from bigfleet.shard.sessions import OperatorSession
 from bigfleet.sim.invariants import InvariantChecker, Violation
-from bigfleet.sim.scenario import Scenario, Workload
+from bigfleet.sim.scenario import SMALLEST_ALLOCATABLE_CPU, Scenario, Workload
 from bigfleet.sim.vloop import VirtualLoop
 from bigfleet.v1alpha1 import capacity_pb2, provider_pb2, shard_pb2
 
@@ -322,8 +322,22 @@ class Simulator:
         for c in self.clusters.values():
             c.pump()
         demand = {cid: c.demand_machines(cycle) for cid, c in self.clusters.items()}
-        self.checker.after_cycle(cycle, self.loop.time(), self.provider, sh.view, demand, self.stub.creates_started)
+        self.checker.after_cycle(cycle, self.loop.time(), self.provider, sh.view, demand, self.stub.creates_started,
+                                 need_bounds=self._need_bounds(),
+                                 cluster_nodes={cid: c.nodes for cid, c in self.clusters.items()})
         self._stats(cycle, decision, demand)
+
+    def _need_bounds(self) -> dict[tuple[str, str], int]:
+        """Most machines each need in the shard's table can use (all on the smallest machine shape)."""
+        out: dict[tuple[str, str], int] = {}
+        smallest = round(SMALLEST_ALLOCATABLE_CPU * 1000)
+        for n in self.shard.store.table.snapshot():
+            agg, unit = n.aggregate_resources.get("cpu"), n.min_unit.get("cpu")
+            if agg <= 0 or unit <= 0:
+                continue
+            per_machine = max(1, smallest // unit) * unit
+            out[(n.cluster_id, n.fingerprint)] = -(-agg // per_machine)
+        return out
 
     def _record(self, cycle: int, d: Decision | None) -> None:
         if d is None:

@@ -64,7 +64,8 @@ class InvariantChecker:
     # -- after each cycle ------------------------------------------------------------------------
 
     def after_cycle(self, cycle: int, now: float, provider: Any, view: Any, demand: dict[str, int],
-                    creates: Counter[str]) -> None:
+                    creates: Counter[str], need_bounds: dict[tuple[str, str], int] | None = None,
+                    cluster_nodes: dict[str, dict[str, int]] | None = None) -> None:
         self.cycle, self._now = cycle, now
         machines = provider.core.machines
         # inventory conserved: the provider never gains or loses a record; the shard forgets none
@@ -109,6 +110,21 @@ class InvariantChecker:
                     per_need[(cl, fp)] += 1
                     if cl:
                         per_cluster[cl] += 1
+        # no double create for one need: never more machines being created for a need than it can use
+        for key, n in per_need.items():
+            bound = (need_bounds or {}).get(key)
+            if bound is not None and n > bound:
+                self._v("no-double-create", f"{n} machines CREATING for need {key[1][:12]} of {key[0]} "
+                                            f"(it can use at most {bound})")
+        # no machine in two clusters, as the clusters themselves see it (from NodeStateUpdates)
+        owners: dict[str, str] = {}
+        for cluster, nodes in sorted((cluster_nodes or {}).items()):
+            for mid, nst in nodes.items():
+                if nst != MachineState.CONFIGURED:
+                    continue
+                if mid in owners:
+                    self._v("one-cluster", f"{mid} is a Configured node of both {owners[mid]} and {cluster}")
+                owners[mid] = cluster
         for mid, n in creates.items():
             if n > 1 and MachineState(int(machines[mid].state)) == MachineState.CREATING:
                 self._v("no-double-create", f"{mid} has {n} Creates started and is CREATING")
