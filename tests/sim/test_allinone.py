@@ -25,6 +25,7 @@ def test_all_in_one_runs_a_fleet_and_prints_a_summary() -> None:
     assert re.search(r"^\[\s*\d+\.\ds\] cycle=\d+ machines=\d+", out, re.M), out  # plain lines without a TTY
     assert "=== BigFleet all-in-one summary ===" in out
     assert "double-assigned machines: 0" in out and "result: OK" in out
+    assert "coordinator: leader, 1 shard(s) registered" in out, out
     m = re.search(r"actions: Create (\d+), Configure (\d+), Drain (\d+), Delete (\d+)", out)
     assert m and int(m.group(2)) > 0, out
     configured = re.search(r"configured in clusters (\d+)", out)

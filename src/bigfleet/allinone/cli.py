@@ -59,6 +59,7 @@ class Snapshot:
     configured_in_clusters: int = 0
     double_assigned: int = 0
     restarts: dict[str, int] = field(default_factory=dict)
+    shards_registered: int = -1  # -1: the coordinator did not answer
 
 
 def bound_report(ops: list[WireOperator]) -> tuple[int, int]:
@@ -76,7 +77,7 @@ def render_plain(s: Snapshot) -> str:
     acts = " ".join(f"{k}={v}" for k, v in sorted(s.actions_last.items())) or "-"
     return (f"[{s.elapsed:6.1f}s] cycle={s.cycle} machines={s.total} {st} | needs={s.needs} "
             f"demand~{s.demand} machines shortfalls={s.shortfalls} in-flight={s.inflight} | "
-            f"actions since last: {acts} | clusters connected={s.connected}")
+            f"actions since last: {acts} | clusters connected={s.connected} | coordinator shards={s.shards_registered}")
 
 
 def render_rich(s: Snapshot, ops: list[WireOperator], duration: float) -> Any:
@@ -91,14 +92,15 @@ def render_rich(s: Snapshot, ops: list[WireOperator], duration: float) -> Any:
     head = Table.grid(expand=True)
     head.add_row(f"[b]t[/b] {s.elapsed:5.0f}s / {duration:.0f}s", f"[b]cycle[/b] {s.cycle}",
                  f"[b]needs[/b] {s.needs}", f"[b]shortfalls[/b] {s.shortfalls}", f"[b]in flight[/b] {s.inflight}",
-                 f"[b]double-assigned[/b] {s.double_assigned}")
+                 f"[b]double-assigned[/b] {s.double_assigned}",
+                 f"[b]coordinator[/b] {'down' if s.shards_registered < 0 else f'{s.shards_registered} shard(s)'}")
     acts = Table(title="Actions (since last refresh / total)", expand=True)
     for k in ("Create", "Configure", "Drain", "Delete"):
         acts.add_column(k, justify="right")
     acts.add_row(*(f"{s.actions_last.get(k, 0)} / {int(s.metrics.get('actions:' + k, 0))}"
                    for k in ("Create", "Configure", "Drain", "Delete")))
     cl = Table(title="Clusters", expand=True)
-    for col in ("cluster", "connected", "workloads", "demand (machines)", "configured", "bootstraps", "reclaims"):
+    for col in ("cluster", "up", "workloads", "demand", "cfg", "boots", "reclaims"):
         cl.add_column(col, justify="right" if col != "cluster" else "left")
     cycle = s.cycle
     for op in ops[:12]:
@@ -123,6 +125,8 @@ def summary(s: Snapshot, ops: list[WireOperator], wall: float) -> str:
              f"demand at the end ~{s.demand} machines; configured in clusters {s.configured_in_clusters}; "
              f"shortfalls {s.shortfalls}",
              f"double-assigned machines: {s.double_assigned}",
+             "coordinator: " + ("not answering" if s.shards_registered < 0
+                                else f"leader, {s.shards_registered} shard(s) registered"),
              "daemon restarts: " + (", ".join(f"{k} {v}" for k, v in s.restarts.items() if v) or "none"),
              "result: " + ("OK" if s.double_assigned == 0 else "PROBLEM (a machine is claimed by two clusters)")]
     return "\n".join(lines)
@@ -139,6 +143,8 @@ async def observe(fleet: Fleet, ops: list[WireOperator], cycle: int, started: fl
         s.shortfalls = len((await fleet.shortfalls()).shortfalls)
     with contextlib.suppress(Exception):
         s.metrics = await asyncio.to_thread(fleet.metrics)
+    with contextlib.suppress(Exception):
+        s.shards_registered = await fleet.shards_registered()
     for k, v in s.metrics.items():
         if k.startswith("actions:"):
             d = int(v - prev.get(k, 0))

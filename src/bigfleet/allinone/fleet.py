@@ -120,6 +120,15 @@ class Fleet:
                 shardread_pb2.ListShortfallsRequest(), timeout=5)
             return r
 
+    async def shards_registered(self) -> int:
+        """Shards the coordinator knows (it answers only as leader: a single replica is its own)."""
+        from bigfleet.rpc import insecure_channel
+        from bigfleet.v1alpha1 import coordinator_pb2, coordinator_pb2_grpc
+
+        async with insecure_channel(self.addrs["coordinator"]) as ch:
+            r = await coordinator_pb2_grpc.CoordinatorStub(ch).ListShards(coordinator_pb2.ListShardsRequest(), timeout=5)
+            return len(r.shards)
+
     def metrics(self) -> dict[str, float]:
         """Shard counters worth showing, flattened as ``name{label}`` -> value."""
         with urllib.request.urlopen(f"http://{self.addrs['shard-metrics']}/metrics", timeout=5) as resp:
