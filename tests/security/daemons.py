@@ -54,7 +54,7 @@ def start_shard(root: Path, provider: str, shard_id: str = "shard-0", *extra: st
     proc = ManagedProcess.bigfleet(
         ["shard", "--shard-id", shard_id, "--listen", addr, "--provider", provider,
          "--data-dir", tempfile.mkdtemp(prefix="bigfleet-sec-shard-"), "--cycle-interval", "0.5",
-         "--log-format", "console", *tls_flags(root, f"shard-{shard_id}"), *extra],
+         "--log-format", "console", *tls_flags(root, shard_id), *extra],
         "shard",
     ).start()
     wait_tls_health(addr, client(root, "admin"), proc)

@@ -153,10 +153,11 @@ async def test_roll_up_flood_and_malformed_frame_touch_only_their_session(pki: P
             await noisy.write(spb.OperatorMessage(rollup=capb.ClusterCapacityNeeds(cluster_id="cluster-a", needs=[need])))
         # The other cluster is served while cluster-a is being paced.
         assert await _session(root, addr, "cluster-b", "cluster-b") == OK
-        deferred = wait_until(
-            lambda: _metric(fleet["metrics"], "bigfleet_shard_stream_throttled_total", 'action="defer"'), 30,
-            what="deferred roll-ups counted")
-        assert deferred >= 20
+        # Past the burst, cluster-a's roll-ups are read one token at a time (2/s): each paced read
+        # is counted as it happens.
+        wait_until(
+            lambda: _metric(fleet["metrics"], "bigfleet_shard_stream_throttled_total", 'action="defer"') >= 3, 30,
+            what="paced roll-ups counted")
         noisy.cancel()
 
         # A frame that does not decode ends only its own session, with INVALID_ARGUMENT.

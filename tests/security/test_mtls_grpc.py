@@ -345,3 +345,23 @@ async def test_rotating_channel_presents_the_rotated_client_certificate(pki: Pki
         await rotating.close()
         await static.close()
         await srv.stop(None)
+
+
+def test_self_field_checks_fail_closed_on_undecoded_requests(pki: Pki) -> None:
+    from bigfleet.security import PROVIDER_POLICY
+    from bigfleet.security.identity import Role
+    from bigfleet.security.roles import Access, _decide
+    from bigfleet.v1alpha1 import provider_pb2 as ppb
+
+    pem = (pki.root / "shard-1.crt").read_bytes()
+    ctx = _FakeContext({"transport_security_type": [b"ssl"], "x509_pem_cert": [pem], "ssl_tls_version": [b"TLSv1.3"]})
+    create = PROVIDER_POLICY["/bigfleet.v1alpha1.CapacityProvider/Create"]
+    own = ppb.CreateRequest(machine_id="m", shard_id="shard-1").SerializeToString()
+    other = ppb.CreateRequest(machine_id="m", shard_id="shard-0").SerializeToString()
+    assert _decide(ctx, create, own) is None  # raw bytes (the provider kit's lazy decoding) are parsed
+    assert _decide(ctx, create, other) is not None
+    no_parser = Access.of(Role.SHARD, self_field="shard_id", allow_empty_self=True)
+    reason = _decide(ctx, no_parser, own)
+    assert reason is not None and "undecoded" in reason  # cannot check -> refuse, never pass
+    reason = _decide(ctx, no_parser, object())
+    assert reason is not None and "no shard_id" in reason

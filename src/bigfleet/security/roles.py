@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter
 from bigfleet.observability import get_logger
 from bigfleet.security.identity import Identity, IdentityError, Role, identity_from_auth_context
 from bigfleet.security.limits import LimitExceeded, SessionThrottle, StreamLimit, Verdict
+from bigfleet.v1alpha1 import provider_pb2
 
 log = get_logger("bigfleet.security.roles")
 
@@ -40,10 +41,16 @@ class Access:
     roles: frozenset[Role]
     self_field: str = ""
     allow_empty_self: bool = False
+    # For servers that hand handlers raw bytes (the provider kit decodes lazily): how to read
+    # ``self_field`` from them. Without it such a request fails closed.
+    parse: Callable[[bytes], Any] | None = None
 
     @classmethod
-    def of(cls, *roles: Role, self_field: str = "", allow_empty_self: bool = False) -> Access:
-        return cls(frozenset(roles), self_field, allow_empty_self)
+    def of(
+        cls, *roles: Role, self_field: str = "", allow_empty_self: bool = False,
+        parse: Callable[[bytes], Any] | None = None,
+    ) -> Access:
+        return cls(frozenset(roles), self_field, allow_empty_self, parse)
 
 
 DENY = Access(frozenset())
@@ -116,12 +123,16 @@ SHARD_POLICY: dict[str, Access] = {
     f"/{_PKG}.ShardAdmin/SetActuation": ADMIN_ONLY,
 }
 
+def _fenced(message: Any) -> Access:
+    return Access.of(Role.SHARD, self_field="shard_id", allow_empty_self=True, parse=message.FromString)
+
+
 PROVIDER_POLICY: dict[str, Access] = {
     # Mutations carry the fencing shard_id: a shard certificate may only act as itself.
-    f"/{_PKG}.CapacityProvider/Create": Access.of(Role.SHARD, self_field="shard_id", allow_empty_self=True),
-    f"/{_PKG}.CapacityProvider/Configure": Access.of(Role.SHARD, self_field="shard_id", allow_empty_self=True),
-    f"/{_PKG}.CapacityProvider/Drain": Access.of(Role.SHARD, self_field="shard_id", allow_empty_self=True),
-    f"/{_PKG}.CapacityProvider/Delete": Access.of(Role.SHARD, self_field="shard_id", allow_empty_self=True),
+    f"/{_PKG}.CapacityProvider/Create": _fenced(provider_pb2.CreateRequest),
+    f"/{_PKG}.CapacityProvider/Configure": _fenced(provider_pb2.ConfigureRequest),
+    f"/{_PKG}.CapacityProvider/Drain": _fenced(provider_pb2.DrainRequest),
+    f"/{_PKG}.CapacityProvider/Delete": _fenced(provider_pb2.DeleteRequest),
     f"/{_PKG}.CapacityProvider/Get": Access.of(Role.SHARD, Role.ADMIN, Role.READONLY),
     f"/{_PKG}.CapacityProvider/List": Access.of(Role.SHARD, Role.ADMIN, Role.READONLY),
 }
@@ -174,6 +185,23 @@ async def _deny(context: grpc.aio.ServicerContext, method: str, reason: str, den
     await context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
 
 
+_SELF_ROLES = (Role.CLUSTER, Role.SHARD)
+
+
+def _subject(access: Access, request: Any) -> str:
+    """The request's ``self_field``; fails closed when it cannot be read."""
+    if isinstance(request, bytes | bytearray | memoryview):
+        if access.parse is None:
+            raise PermissionDenied(f"cannot check {access.self_field} on an undecoded request")
+        try:
+            request = access.parse(bytes(request))
+        except Exception:
+            return ""  # undecodable: the handler's own decoding answers INVALID_ARGUMENT
+    if not hasattr(request, access.self_field):
+        raise PermissionDenied(f"request carries no {access.self_field} to check")
+    return str(getattr(request, access.self_field))
+
+
 def _decide(context: grpc.aio.ServicerContext, access: Access, request: Any | None) -> str | None:
     """Returns a denial reason or None. Reads the peer, so it belongs to the shell."""
     try:
@@ -181,8 +209,8 @@ def _decide(context: grpc.aio.ServicerContext, access: Access, request: Any | No
         check_transport(auth)
         identity = identity_from_auth_context(auth)
         subject = None
-        if access.self_field and request is not None:
-            subject = str(getattr(request, access.self_field, ""))
+        if access.self_field and request is not None and identity is not None and identity.role in _SELF_ROLES:
+            subject = _subject(access, request)
         authorize(identity, access, subject)
     except (IdentityError, PermissionDenied) as exc:
         return str(exc)
