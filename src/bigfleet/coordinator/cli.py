@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="file holding the Raft transport password (else $BIGFLEET_RAFT_PASSWORD); required",
     )
+    p.add_argument("--http-listen", default="", help="HOST:PORT for the read-only dashboard and its JSON (empty = off)")
     p.add_argument("--down-after", type=float, default=60.0, help="seconds of silence before a shard counts as down")
     p.add_argument("--snapshot-export-dir", default="")
     p.add_argument("--snapshot-export-interval", type=float, default=0.0, help="seconds; 0 means 300")
@@ -129,6 +130,17 @@ def main(argv: list[str]) -> int:
     async def run() -> None:
         daemon = CoordinatorDaemon(cfg)
         await daemon.start()
+        dashboard = None
+        if args.http_listen:
+            from bigfleet.dashboard import DashboardServer
+            from bigfleet.dashboard.sources import CoordinatorSource
+
+            dashboard = DashboardServer(CoordinatorSource(daemon, args.down_after), args.http_listen)
+            try:
+                await dashboard.start()
+            except (OSError, ValueError) as exc:
+                log.error("cannot listen for the dashboard", http_listen=args.http_listen, error=str(exc))
+                dashboard = None
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -136,6 +148,8 @@ def main(argv: list[str]) -> int:
                 loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         log.info("coordinator stopping")
+        if dashboard is not None:
+            await dashboard.stop()
         await daemon.stop()
 
     asyncio.run(run())

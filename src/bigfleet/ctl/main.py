@@ -1,4 +1,4 @@
-"""`bigfleetctl`: the admin CLI over the coordinator (and, later, ShardRead) APIs.
+"""`bigfleetctl`: the admin CLI over the coordinator and ShardRead APIs.
 
 Human tables by default, ``-o json|yaml`` for scripts. Every command talks to
 the coordinator leader: ``--coordinator`` takes one or more replica addresses
@@ -21,6 +21,7 @@ import grpc
 import yaml
 
 from bigfleet.coordinator.client import CoordinatorClient, CoordinatorUnavailable
+from bigfleet.ctl.shardcmds import ShardCallFailed, UsageError
 from bigfleet.v1alpha1 import coordinator_pb2 as pb
 
 COMMANDS = [
@@ -32,14 +33,14 @@ COMMANDS = [
     ("transfers", "list cluster handoffs and inventory transfers; `transfers abort ID`"),
     ("snapshot", "save a coordinator snapshot archive"),
     ("raft", "join a replica to the coordinator's Raft group"),
-    ("needs", "show a cluster's needs and the engine's verdicts (not yet)"),
-    ("inventory", "show a shard's inventory by state (not yet)"),
-    ("shortfalls", "show unmet demand (not yet)"),
-    ("pause", "pause a shard's decisions (not yet)"),
-    ("resume", "resume a shard's decisions (not yet)"),
+    ("needs", "show a cluster's needs and the engine's verdicts (`needs --cluster ID`)"),
+    ("inventory", "show shards' machines by state (or `--by-cluster`)"),
+    ("shortfalls", "show unmet demand per shard"),
+    ("pause", "pause a shard's actuation (`pause --shard-id ID`)"),
+    ("resume", "resume a shard's actuation (`resume --shard-id ID`)"),
     ("certs", "make a CA and per-role certificates for local use"),
 ]
-NOT_YET = {"needs", "inventory", "shortfalls", "pause", "resume"}
+SHARD_VERBS = {"needs", "inventory", "shortfalls", "pause", "resume"}
 
 
 class CtlError(Exception):
@@ -312,7 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("action", choices=["join"])
             sp.add_argument("--node-id", default="")
             sp.add_argument("--raft-address", default="")
-        elif name == "certs" or name in NOT_YET:
+        elif name in SHARD_VERBS:
+            from bigfleet.ctl.shardcmds import add_args
+
+            add_args(name, sp)
+        elif name == "certs":
             sp.add_argument("rest", nargs=argparse.REMAINDER)
     return p
 
@@ -348,9 +353,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.coordinator = getattr(args, "coordinator", "127.0.0.1:7790")
     args.timeout = getattr(args, "timeout", 10.0)
     args.output = getattr(args, "output", "table")
-    if args.command in NOT_YET:
-        print(f"bigfleetctl {args.command}: not yet implemented in this build (it will read the shard's ShardRead API)", file=sys.stderr)
-        return 2
     tls = None
     if getattr(args, "tls_cert", None) or getattr(args, "tls_ca", None):
         from bigfleet.security.tls import TLSConfig, TLSConfigError
@@ -365,6 +367,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     async def run() -> int:
         client = CoordinatorClient(addrs, timeout=args.timeout, tls=tls)
         try:
+            if args.command in SHARD_VERBS:
+                from bigfleet.ctl.shardcmds import run as run_shard_verb
+
+                return await run_shard_verb(args.command, client, args, tls, _emit)
             return await HANDLERS[args.command](client, args)
         finally:
             await client.close()
@@ -374,6 +380,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CtlError as exc:
         print(f"bigfleetctl: {exc}", file=sys.stderr)
         return 2
+    except UsageError as exc:
+        print(f"bigfleetctl {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except ShardCallFailed as exc:
+        print(f"bigfleetctl {args.command}: {exc}", file=sys.stderr)
+        return 1
     except (CoordinatorUnavailable, grpc.aio.AioRpcError) as exc:
         print(_explain(exc, addrs), file=sys.stderr)
         return 1

@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", help="HOST:PORT for Shard, ShardRead and ShardAdmin")
     p.add_argument("--provider", help="HOST:PORT of the capacity provider")
     p.add_argument("--metrics-listen", help="HOST:PORT for /metrics (empty = off)")
+    p.add_argument("--http-listen", help="HOST:PORT for the read-only dashboard and its JSON (empty = off)")
     p.add_argument("--coordinator", help="coordinator addresses HOST:PORT,...")
     p.add_argument("--advertise", help="address operators dial (defaults to --listen)")
     p.add_argument("--data-dir", help="holds the epoch file")
@@ -182,6 +183,17 @@ async def serve(settings: Any, tls: TLSConfig | None = None) -> int:
     log.info("shard serving", listen=settings.listen, port=port, provider=settings.provider, epoch=epoch,
              paused=settings.paused, dry_run=settings.dry_run)
     await daemon.start()
+    dashboard = None
+    if settings.http_listen:
+        from bigfleet.dashboard import DashboardServer
+        from bigfleet.dashboard.sources import ShardSource
+
+        dashboard = DashboardServer(ShardSource(daemon, settings.advertise or settings.listen), settings.http_listen)
+        try:
+            await dashboard.start()
+        except (OSError, ValueError) as exc:
+            log.error("cannot listen for the dashboard", http_listen=settings.http_listen, error=str(exc))
+            dashboard = None
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -198,6 +210,8 @@ async def serve(settings: Any, tls: TLSConfig | None = None) -> int:
         await coord_client.close()
     await daemon.stop(drain_timeout=5.0)
     await server.stop(grace=3.0)
+    if dashboard is not None:
+        await dashboard.stop()
     if metrics_server:
         metrics_server.stop()
     log.info("stopped")

@@ -17,6 +17,7 @@ class ShardSettings(BaseSettings):
     listen: str = "127.0.0.1:7780"
     provider: str = ""
     metrics_listen: str = ""
+    http_listen: str = ""
     coordinator: str = ""
     advertise: str = ""
     data_dir: str = "./data"

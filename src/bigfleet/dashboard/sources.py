@@ -1,0 +1,280 @@
+"""Where the dashboard's JSON comes from: the shard's and coordinator's own gRPC servicers, called
+in-process with a local context, so the page shows exactly what ``bigfleetctl`` and the read APIs
+return (including "not leader" on a coordinator follower)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+import grpc
+from google.protobuf import json_format
+
+from bigfleet.dashboard.model import ActionLog, History, Sample, ShortfallAges, needs_vs_bound, shortfall_key
+from bigfleet.v1alpha1 import coordinator_pb2, provider_pb2, shardread_pb2
+
+S = provider_pb2.MachineState
+BOUND_STATES = (S.MACHINE_STATE_CONFIGURING, S.MACHINE_STATE_CONFIGURED, S.MACHINE_STATE_DRAINING)
+NEEDS_SHOWN = 200
+
+
+class Source(Protocol):
+    component: str
+
+    async def snapshot(self, now: float) -> dict[str, Any]: ...
+
+
+class LocalAbort(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class LocalContext:
+    """Just enough of grpc.aio.ServicerContext for the read handlers: abort raises LocalAbort."""
+
+    def __init__(self) -> None:
+        self.trailing: Sequence[tuple[str, str]] = ()
+
+    def set_trailing_metadata(self, md: Sequence[tuple[str, str]]) -> None:
+        self.trailing = md
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise LocalAbort(code, details)
+
+    def peer(self) -> str:
+        return "local:dashboard"
+
+    def invocation_metadata(self) -> Sequence[tuple[str, str]]:
+        return ()
+
+
+def iso(t: float) -> str:
+    if not t:
+        return ""
+    return dt.datetime.fromtimestamp(t, tz=dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def short_state(name: str) -> str:
+    return name.removeprefix("MACHINE_STATE_").lower()
+
+
+def _reqs_text(reqs: Iterable[Any]) -> str:
+    parts = []
+    for r in reqs:
+        parts.append(f"{r.key} {_op_name(r.operator)} {','.join(r.values)}".strip())
+    return "; ".join(parts)
+
+
+def _op_name(op: int) -> str:
+    from bigfleet.v1alpha1 import capacity_pb2
+
+    try:
+        return capacity_pb2.NodeSelectorRequirement.Operator.Name(op).removeprefix("OPERATOR_")  # type: ignore[arg-type]
+    except ValueError:
+        return str(op)
+
+
+def shortfall_rows(shortfalls: Iterable[coordinator_pb2.Shortfall], shard_id: str, ages: ShortfallAges,
+                   now: float) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    keys: list[str] = []
+    for sf in shortfalls:
+        reqs = _reqs_text(sf.requirements)
+        deficit = dict(sf.deficit.resources)
+        rows.append({
+            "shard_id": shard_id, "priority": sf.priority, "requirements": reqs, "deficit": deficit,
+            "age_cycles": sf.age_cycles,
+        })
+        keys.append(f"{shard_id}|" + shortfall_key(sf.priority, reqs, deficit))
+    first = ages.update(keys, now)
+    for r, k in zip(rows, keys, strict=True):
+        seen = first[k]
+        r["first_seen"] = iso(seen)
+        r["age_seconds"] = round(max(0.0, now - seen), 1)
+    return rows
+
+
+class ShardSource:
+    """Dashboard data for one shard process."""
+
+    component = "shard"
+
+    def __init__(self, daemon: Any, address: str = "") -> None:
+        from bigfleet.shard.readsvc import ShardAdminServicer, ShardReadServicer
+
+        self.d = daemon
+        self.address = address
+        self.read = ShardReadServicer(daemon)
+        self.admin = ShardAdminServicer(daemon)
+        self.history = History()
+        self.ages = ShortfallAges()
+        self.actions = ActionLog()
+
+    async def snapshot(self, now: float) -> dict[str, Any]:
+        ctx: Any = LocalContext()
+        counts = await self.read.GetInventoryCounts(shardread_pb2.InventoryCountsRequest(), ctx)
+        frames = [f async for f in self.read.InspectNeeds(shardread_pb2.InspectNeedsRequest(), ctx)]
+        header = frames[0].header
+        views = [f.need for f in frames[1:]]
+        sfs = await self.read.ListShortfalls(shardread_pb2.ListShortfallsRequest(), ctx)
+        act = await self.admin.GetActuation(shardread_pb2.GetActuationRequest(), ctx)
+        rec = self.d.last
+        if rec.decision is not None:
+            self.actions.add_cycle(rec.cycle, rec.computed_at_unix_nanos / 1e9, rec.decision.actions,
+                                   rec.decision.suppressed, "" if rec.decision.mode == "normal" else rec.decision.mode)
+        shard_id = self.d.config.shard_id
+        by_state = {short_state(k): v for k, v in sorted(counts.by_state.items())}
+        free = by_state.get("idle", 0) + by_state.get("speculative", 0)
+        bound_total = sum(counts.bound_by_cluster.values())
+        need_maps: dict[str, list[dict[str, str]]] = {}
+        per_cluster: dict[str, dict[str, Any]] = {}
+        for v in views:
+            need_maps.setdefault(v.cluster_id, []).append(dict(v.need.aggregate_resources))
+            c = per_cluster.setdefault(v.cluster_id, {"cluster_id": v.cluster_id, "needs": 0, "satisfied": 0, "unmet": 0})
+            c["needs"] += 1
+            c["satisfied" if v.satisfied else "unmet"] += 1
+        bound_maps: dict[str, list[dict[str, str]]] = {}
+        for m in self.d.view.all():
+            if m.state in BOUND_STATES and m.cluster:
+                res = m.allocatable.resources if m.allocatable.resources else m.resources.resources
+                bound_maps.setdefault(m.cluster, []).append(dict(res))
+        for cid in counts.bound_by_cluster:
+            per_cluster.setdefault(cid, {"cluster_id": cid, "needs": 0, "satisfied": 0, "unmet": 0})
+        for c in per_cluster.values():
+            c["shard_id"] = shard_id
+            c["bound_machines"] = counts.bound_by_cluster.get(c["cluster_id"], 0)
+            c["session"] = self.d.sessions.get(c["cluster_id"]) is not None
+        unmet = sum(1 for v in views if not v.satisfied)
+        shortfalls = shortfall_rows(sfs.shortfalls, shard_id, self.ages, now)
+        self.history.add(Sample(now, counts.total, bound_total, free, len(views), unmet, len(shortfalls)))
+        needs = []
+        for v in views[:NEEDS_SHOWN]:
+            needs.append({
+                "cluster_id": v.cluster_id, "priority": v.need.priority, "group": v.need.group,
+                "resources": dict(v.need.aggregate_resources), "satisfied": v.satisfied,
+                "claimed": v.claimed_machine_count, "age_cycles_unmet": v.age_cycles_unmet,
+                "unmet_reason": "" if v.satisfied else shardread_pb2.UnmetReason.Name(v.unmet_reason)
+                .removeprefix("UNMET_REASON_").lower(),
+                "fingerprint": v.profile_fingerprint,
+            })
+        status = "paused" if act.paused else ("dry-run" if act.dry_run else "up")
+        return {
+            "component": "shard",
+            "id": shard_id,
+            "generated_at": iso(now),
+            "error": "",
+            "cycle": header.cycle,
+            "computed_at": iso(header.computed_at_unix_nanos / 1e9),
+            "paused": act.paused,
+            "dry_run": act.dry_run,
+            "reconciled": counts.reconciled,
+            "shards": [{
+                "shard_id": shard_id, "address": self.address, "status": status, "epoch": counts.shard_epoch,
+                "machines": counts.total, "free": free, "clusters": len(per_cluster), "shortfalls": len(shortfalls),
+                "last_heartbeat": "",
+            }],
+            "clusters": sorted(per_cluster.values(), key=lambda c: c["cluster_id"]),
+            "inventory": {
+                "total": counts.total, "in_flight": counts.in_flight, "free": free, "bound": bound_total,
+                "by_state": by_state, "bound_by_cluster": dict(sorted(counts.bound_by_cluster.items())),
+            },
+            "capacity": needs_vs_bound(need_maps, bound_maps),
+            "needs_total": header.total_needs,
+            "needs": needs,
+            "shortfalls": shortfalls,
+            "actions": self.actions.to_json(),
+            "history": self.history.to_json(),
+        }
+
+
+class CoordinatorSource:
+    """Dashboard data for one coordinator replica. Only the leader has the fleet view; a follower
+    answers with the leader's address (the same FAILED_PRECONDITION the gRPC API gives)."""
+
+    component = "coordinator"
+
+    def __init__(self, daemon: Any, down_after: float = 60.0) -> None:
+        from bigfleet.coordinator.server import CoordinatorService
+
+        self.d = daemon
+        self.svc = CoordinatorService(daemon)
+        self.down_after = down_after
+        self.history = History()
+        self.ages = ShortfallAges()
+
+    async def snapshot(self, now: float) -> dict[str, Any]:
+        ctx: Any = LocalContext()
+        base: dict[str, Any] = {
+            "component": "coordinator", "id": self.d.cfg.node_id, "generated_at": iso(now), "error": "",
+            "shards": [], "clusters": [], "inventory": {}, "capacity": [], "needs": [], "needs_total": 0,
+            "shortfalls": [], "actions": [], "history": self.history.to_json(),
+        }
+        try:
+            shards = (await self.svc.ListShards(coordinator_pb2.ListShardsRequest(), ctx)).shards
+            reports = (await self.svc.ListShardReports(coordinator_pb2.ListShardReportsRequest(), ctx)).reports
+            bindings = (await self.svc.ListClusterBindings(coordinator_pb2.ListClusterBindingsRequest(), ctx)).bindings
+            transfers = (await self.svc.ListTransfers(coordinator_pb2.ListTransfersRequest(), ctx)).transfers
+        except LocalAbort as exc:
+            base["error"] = exc.details
+            base["leader"] = dict(ctx.trailing).get("bigfleet-leader", "")
+            return base
+        by_report = {r.shard_id: r for r in reports}
+        per_shard: dict[str, int] = {}
+        for b in bindings:
+            per_shard[b.shard_id] = per_shard.get(b.shard_id, 0) + 1
+        rows = []
+        total = free = 0
+        sf_rows: list[dict[str, Any]] = []
+        by_type: dict[str, int] = {}
+        all_sfs: list[tuple[str, coordinator_pb2.Shortfall]] = []
+        for s in shards:
+            age = now - s.last_heartbeat_unix_ns / 1e9 if s.last_heartbeat_unix_ns else None
+            r = by_report.get(s.shard_id)
+            m = r.summary.total_machines if r else 0
+            f = r.summary.free_machines if r else 0
+            total += m
+            free += f
+            if r:
+                for k, v in r.summary.per_instance_type_counts.items():
+                    by_type[k] = by_type.get(k, 0) + v
+                all_sfs.extend((s.shard_id, sf) for sf in r.shortfalls)
+            rows.append({
+                "shard_id": s.shard_id, "address": s.address,
+                "status": "down" if age is None or age > self.down_after else "up",
+                "machines": m, "free": f, "clusters": per_shard.get(s.shard_id, 0),
+                "shortfalls": len(r.shortfalls) if r else 0,
+                "last_heartbeat": iso(s.last_heartbeat_unix_ns / 1e9), "epoch": 0,
+            })
+        first = self.ages.update(
+            [f"{sid}|" + shortfall_key(sf.priority, "", dict(sf.deficit.resources)) for sid, sf in all_sfs], now)
+        for sid, sf in all_sfs:
+            seen = first[f"{sid}|" + shortfall_key(sf.priority, "", dict(sf.deficit.resources))]
+            sf_rows.append({
+                "shard_id": sid, "priority": sf.priority, "requirements": "", "deficit": dict(sf.deficit.resources),
+                "age_cycles": sf.age_cycles, "first_seen": iso(seen), "age_seconds": round(max(0.0, now - seen), 1),
+            })
+        self.history.add(Sample(now, total, total - free, free, len(bindings), 0, len(sf_rows)))
+        base.update({
+            "shards": rows,
+            "clusters": [{
+                "cluster_id": b.cluster_id, "shard_id": b.shard_id, "epoch": b.binding_epoch,
+                "bound_at": iso(b.bound_at_unix_ns / 1e9),
+                "handoff": f"{b.handoff_to_shard_id} ({b.handoff_phase})" if b.handoff_to_shard_id else "",
+            } for b in bindings],
+            "inventory": {"total": total, "free": free, "bound": total - free, "by_instance_type": dict(sorted(by_type.items()))},
+            "shortfalls": sf_rows,
+            "actions": [{
+                "t": t.created_at_unix_ns / 1e9, "cycle": 0, "kind": f"{t.kind} transfer", "machine_id": ",".join(t.machine_ids[:3])
+                + ("…" if len(t.machine_ids) > 3 else ""), "cluster_id": t.cluster_id,
+                "detail": f"{t.from_shard_id} → {t.to_shard_id}: {t.phase}" + (f" ({t.reason})" if t.reason else ""),
+            } for t in sorted(transfers, key=lambda t: -t.created_at_unix_ns)[:100]],
+            "history": self.history.to_json(),
+        })
+        return base
+
+
+def message_json(msg: Any) -> dict[str, Any]:
+    return json_format.MessageToDict(msg, preserving_proto_field_name=True)
