@@ -220,3 +220,47 @@ def test_scenario_yaml_round_trip_and_errors(tmp_path: Path) -> None:
         from_dict({"cycles": 3})
     with pytest.raises(ScenarioError, match="unknown scenario"):
         builtin("nope")
+
+
+# -- the checker catches broken shard behaviour inside the closed loop (mutations of the real code) --
+
+
+def test_loop_flags_overprovisioning_when_reclaims_are_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    from bigfleet.decision.types import Decision, Drain
+    from bigfleet.shard.daemon import ShardDaemon
+
+    real = ShardDaemon._execute
+
+    def no_reclaims(self: ShardDaemon, decision: Decision) -> None:
+        kept = tuple(a for a in decision.actions if not (isinstance(a, Drain) and a.reason == "reclaim"))
+        real(self, replace(decision, actions=kept))
+
+    monkeypatch.setattr(ShardDaemon, "_execute", no_reclaims)
+    res = Simulator(builtin("withdrawal"), settle_cycles=SETTLE).run()
+    assert "no-overprovision" in {v.rule for v in res.violations}
+
+
+def test_loop_flags_a_shard_that_leaves_a_timed_out_machine_unfailed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bigfleet.shard.executor import Executor
+
+    monkeypatch.setattr(Executor, "_fail", lambda self, mid, err: None)
+    res = Simulator(builtin("hang-and-disconnect"), settle_cycles=SETTLE).run()
+    assert "stuck-transitional" in {v.rule for v in res.violations}
+
+
+def test_loop_flags_a_shard_that_forgets_a_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bigfleet.shard.daemon import ShardDaemon
+
+    real = ShardDaemon.reconcile
+
+    async def lossy(self: ShardDaemon, full: bool = False) -> None:
+        await real(self, full)
+        ids = sorted(self.view.ids())
+        if ids and self.cycles == 5:
+            self.view.forget(ids[0])
+
+    monkeypatch.setattr(ShardDaemon, "reconcile", lossy)
+    res = Simulator(builtin("withdrawal"), settle_cycles=SETTLE).run()
+    assert "inventory-conserved" in {v.rule for v in res.violations}

@@ -95,7 +95,7 @@ class InvariantChecker:
             shown = view.get(mid)
             # the shard shows a transition nobody drives: must settle within the execute timeout
             if shown is not None and MachineState(int(shown.state)) in TRANSITIONAL and mid not in view.inflight \
-                    and now - since > self.execute_timeout + limit:
+                    and now - since > self.execute_timeout + 2 * self.cycle_seconds:
                 self._v("stuck-transitional", f"shard shows {mid} {MachineState(int(shown.state)).name} undriven")
             if st == MachineState.FAILED and not rec.last_error:
                 self._v("failed-has-reason", f"{mid} FAILED without last_error")
