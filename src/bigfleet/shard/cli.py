@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-fork", action="store_const", const=True,
                    help="run each cycle's engine in a forked child (keeps the GIL free for sessions)")
     p.add_argument("--paused", action="store_const", const=True)
+    ha = p.add_argument_group("replica group (shard HA, off unless --raft-bind is given)")
+    ha.add_argument("--replica-id", help="this replica's name (logs, metrics)")
+    ha.add_argument("--raft-bind", help="HOST:PORT of this replica's Raft endpoint (also its Raft identity)")
+    ha.add_argument("--raft-peers", help="Raft endpoints of the other replicas HOST:PORT,...")
+    ha.add_argument("--raft-password", help="shared Raft transport secret (prefer BIGFLEET_SHARD_RAFT_PASSWORD)")
     add_tls_arguments(p)
     p.add_argument("--log-level")
     p.add_argument("--log-format", choices=["json", "console"])
@@ -100,14 +105,15 @@ def main(argv: list[str]) -> int:
 
 
 async def serve(settings: Any, tls: TLSConfig | None = None) -> int:
-    from bigfleet.decision.types import EngineConfig
-    from bigfleet.shard.daemon import DaemonConfig, ShardDaemon
+    from bigfleet.shard.daemon import ShardDaemon
     from bigfleet.shard.epoch import EpochError, bump_epoch
-    from bigfleet.shard.executor import ExecutorConfig
-    from bigfleet.shard.guard import GuardConfig
     from bigfleet.shard.metrics import ShardMetrics
     from bigfleet.shard.readsvc import ShardAdminServicer, ShardReadServicer
 
+    if settings.raft_bind:
+        from bigfleet.shard.ha.serve import serve_ha
+
+        return await serve_ha(settings, tls)
     log = get_logger("bigfleet.shard.cli", shard=settings.shard_id)
     try:
         epoch = bump_epoch(settings.data_dir)
@@ -116,32 +122,7 @@ async def serve(settings: Any, tls: TLSConfig | None = None) -> int:
         return 1
     registry = new_registry(process_metrics=True)
     metrics = ShardMetrics(registry)
-    cfg = DaemonConfig(
-        shard_id=settings.shard_id,
-        provider=settings.provider,
-        epoch=epoch,
-        cycle_interval=settings.cycle_interval,
-        min_cycle_gap=settings.min_cycle_gap,
-        reconcile_interval=settings.reconcile_interval,
-        full_reconcile_every=settings.full_reconcile_every,
-        available_capacity_interval=settings.available_capacity_interval,
-        executor=ExecutorConfig(
-            concurrency=settings.execute_concurrency,
-            execute_timeout=settings.execute_timeout,
-            bootstrap_timeout=settings.bootstrap_timeout,
-            reclaim_ack_timeout=settings.reclaim_ack_timeout,
-        ),
-        engine=EngineConfig(
-            reclaim_cap_fraction=settings.reclaim_cap_fraction,
-            on_demand_hold_seconds=settings.on_demand_hold_seconds if settings.on_demand_hold_seconds > 0 else None,
-            spot_hold_seconds=settings.spot_hold_seconds if settings.spot_hold_seconds > 0 else None,
-            rollup_guard_enabled=settings.empty_rollup_guard,
-            paused=settings.paused,
-            dry_run=settings.dry_run,
-        ),
-        guard=GuardConfig(enabled=settings.empty_rollup_guard),
-        compute_fork=settings.engine_fork,
-    )
+    cfg = daemon_config(settings, epoch)
     daemon = ShardDaemon(cfg, metrics, tls=tls)
     # Per-session flood control and frame size bounds (roll-ups paced, floods/oversize closed).
     session_limits = {"/bigfleet.v1alpha1.Shard/Session": SESSION_STREAM_LIMIT}
@@ -216,3 +197,38 @@ async def serve(settings: Any, tls: TLSConfig | None = None) -> int:
         metrics_server.stop()
     log.info("stopped")
     return 0
+
+
+def daemon_config(settings: Any, epoch: int) -> Any:
+    """The daemon's configuration from settings (shared with the HA entry point)."""
+    from bigfleet.decision.types import EngineConfig
+    from bigfleet.shard.daemon import DaemonConfig
+    from bigfleet.shard.executor import ExecutorConfig
+    from bigfleet.shard.guard import GuardConfig
+
+    return DaemonConfig(
+        shard_id=settings.shard_id,
+        provider=settings.provider,
+        epoch=epoch,
+        cycle_interval=settings.cycle_interval,
+        min_cycle_gap=settings.min_cycle_gap,
+        reconcile_interval=settings.reconcile_interval,
+        full_reconcile_every=settings.full_reconcile_every,
+        available_capacity_interval=settings.available_capacity_interval,
+        executor=ExecutorConfig(
+            concurrency=settings.execute_concurrency,
+            execute_timeout=settings.execute_timeout,
+            bootstrap_timeout=settings.bootstrap_timeout,
+            reclaim_ack_timeout=settings.reclaim_ack_timeout,
+        ),
+        engine=EngineConfig(
+            reclaim_cap_fraction=settings.reclaim_cap_fraction,
+            on_demand_hold_seconds=settings.on_demand_hold_seconds if settings.on_demand_hold_seconds > 0 else None,
+            spot_hold_seconds=settings.spot_hold_seconds if settings.spot_hold_seconds > 0 else None,
+            rollup_guard_enabled=settings.empty_rollup_guard,
+            paused=settings.paused,
+            dry_run=settings.dry_run,
+        ),
+        guard=GuardConfig(enabled=settings.empty_rollup_guard),
+        compute_fork=settings.engine_fork,
+    )

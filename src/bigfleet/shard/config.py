@@ -40,10 +40,14 @@ class ShardSettings(BaseSettings):
     heartbeat_interval: float = Field(10.0, gt=0)
     engine_fork: bool = False
     gil_switch_interval: float = Field(0.0005, gt=0, le=0.1)
+    replica_id: str = ""
+    raft_bind: str = ""
+    raft_peers: str = ""
+    raft_password: str = ""
     log_level: str = "info"
     log_format: str = "json"
 
-    @field_validator("listen", "provider", "metrics_listen", "advertise")
+    @field_validator("listen", "provider", "metrics_listen", "advertise", "raft_bind")
     @classmethod
     def _hostport(cls, v: str) -> str:
         if v and (":" not in v or not v.rpartition(":")[2].isdigit()):

@@ -14,7 +14,7 @@ import os
 import pickle
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -99,6 +99,9 @@ class ShardDaemon:
         self.metrics.paused.set(1 if self.paused else 0)
         self.coordinator_term = 0
         self.term_source: Any = None  # set by the CLI to the heartbeat loop's instruction gate
+        # HA (bigfleet.shard.ha): commits the roll-up through Raft; the ack waits for it, and a
+        # False (not leader, no quorum) rejects the roll-up so the operator resends it.
+        self.before_apply: Callable[[str, capacity_pb2.ClusterCapacityNeeds, int], Awaitable[bool]] | None = None
         self.reconciled = asyncio.Event()
         self.last = CycleRecord()
         self.cycles = 0
@@ -166,6 +169,8 @@ class ShardDaemon:
                         held=self.guard.held(cluster_id))
             return RollupOutcome(False, quarantined=True)
         self.metrics.rollup_quarantined.labels(cluster_id).set(0)
+        if self.before_apply is not None and not await self.before_apply(cluster_id, pb, now):
+            return RollupOutcome(False, error="roll-up not replicated (shard replica not leading); resend")
         changed = self.store.apply_rollup(cluster_id, needs, now)
         self._accepted_digest[cluster_id] = digest
         self.metrics.rollups.inc()

@@ -1,0 +1,69 @@
+"""``bigfleet shard --raft-bind ...``: one replica of a shard replica group."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from bigfleet.observability import get_logger, new_registry, start_metrics_server
+from bigfleet.security.limits import SESSION_STREAM_LIMIT
+from bigfleet.security.roles import SHARD_POLICY, RoleInterceptor
+from bigfleet.security.tls import TLSConfig, add_port
+from bigfleet.shard.cli import build_server, daemon_config
+from bigfleet.shard.ha.controller import HAController, register
+from bigfleet.shard.ha.node import ShardRaft, ShardRaftConfig
+from bigfleet.shard.metrics import ShardMetrics
+
+PASSWORD_ENV = "BIGFLEET_SHARD_RAFT_PASSWORD"
+
+
+async def serve_ha(settings: Any, tls: TLSConfig | None = None) -> int:
+    replica = settings.replica_id or settings.raft_bind
+    log = get_logger("bigfleet.shard.ha", shard=settings.shard_id, replica=replica)
+    password = settings.raft_password or os.environ.get(PASSWORD_ENV, "")
+    if not password:
+        # pysyncobj's transport is pickle: without the password anyone reaching the port runs code.
+        log.error("a Raft password is required (--raft-password or " + PASSWORD_ENV + ")")
+        return 2
+    peers = [p.strip() for p in settings.raft_peers.split(",") if p.strip()]
+    registry = new_registry(process_metrics=True)
+    metrics = ShardMetrics(registry)
+    session_limits = {"/bigfleet.v1alpha1.Shard/Session": SESSION_STREAM_LIMIT}
+    server, health = build_server(
+        RoleInterceptor(SHARD_POLICY, registry=registry, component="shard", stream_limits=session_limits)
+    )
+    raft = ShardRaft(ShardRaftConfig(settings.raft_bind, peers, Path(settings.data_dir), password))
+    ctrl = HAController(raft, daemon_config(settings, 0), metrics, health,
+                        advertise=settings.advertise or settings.listen, tls=tls)
+    register(server, ctrl)
+    try:
+        port = add_port(server, settings.listen, tls)
+    except OSError as exc:
+        log.error("cannot listen", listen=settings.listen, error=str(exc))
+        raft.destroy()
+        return 1
+    await server.start()
+    metrics_server = start_metrics_server(settings.metrics_listen, registry) if settings.metrics_listen else None
+    log.info("shard replica serving", listen=settings.listen, port=port, raft=settings.raft_bind, peers=peers)
+    runner = asyncio.create_task(ctrl.run(), name="shard-ha-leadership")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    runner.cancel()
+    with contextlib.suppress(BaseException):
+        await runner
+    await health.enter_graceful_shutdown()
+    await ctrl.stop()
+    await server.stop(grace=2.0)
+    raft.destroy()
+    if metrics_server:
+        metrics_server.stop()
+    log.info("stopped")
+    return 0
