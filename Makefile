@@ -58,5 +58,11 @@ soak:
 e2e:
 	BIGFLEET_E2E_CUTOFF=30 $(BIN)/pytest -q -s -p no:cacheprovider tests/e2e
 
+# The scale harness with real daemons (sizes are flags: `make scale SCALE_ARGS="--clusters 5000 ..."`).
+# Figures and commands: docs/perf/scale.md.
+SCALE_ARGS ?= --shape aggregated --clusters 1000 --machines 100000 --interval 10 --warmup 20 --duration 30
+scale:
+	$(BIN)/bigfleet scaletest $(SCALE_ARGS) --json scale-report.json
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

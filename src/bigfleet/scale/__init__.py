@@ -1,0 +1,1 @@
+"""Scale harness: real shard(s), fake provider(s), coordinator and a multi-process Session load generator."""
