@@ -284,6 +284,19 @@ def _bad(msg: Any) -> bool:
     return msg is None or msg is _BAD_FRAME
 
 
+class _EndStream(Exception):
+    """Raised out of a read to stop the handler; the wrapper then ends the call with ``status``.
+
+    The status is sent from the handler's own task after it returns, never from the task that
+    happened to read (a handler's reader task): an abort from a side task was seen to leave the
+    client waiting until its deadline.
+    """
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
 class _StreamGuard:
     """One per streaming call: the hard frame bucket and the pacing of soft frames."""
 
@@ -293,54 +306,70 @@ class _StreamGuard:
         self.method = method
         self.counters = counters
 
-    async def admit(self, msg: Any, context: grpc.aio.ServicerContext) -> None:
+    async def admit(self, msg: Any, peer: str) -> _EndStream | None:
         loop = asyncio.get_running_loop()
         try:
             self.limit.check(msg)
         except LimitExceeded as exc:
             self.counters.throttle(self.method, "oversize")
-            log.warning("stream_closed_frame_over_limit", method=self.method, peer=context.peer(), error=str(exc))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"frame over a size limit: {exc}")
+            log.warning("stream_closed_frame_over_limit", method=self.method, peer=peer, error=str(exc))
+            return _EndStream(grpc.StatusCode.RESOURCE_EXHAUSTED, f"frame over a size limit: {exc}")
         if self.throttle.on_frame(loop.time()) is Verdict.CLOSE:
             self.counters.throttle(self.method, "close")
-            log.warning("stream_closed_over_frame_rate", method=self.method, peer=context.peer())
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, "frame rate over the per-session limit; reconnect and slow down"
-            )
+            log.warning("stream_closed_over_frame_rate", method=self.method, peer=peer)
+            return _EndStream(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              "frame rate over the per-session limit; reconnect and slow down")
         if not self.limit.soft(msg) or self.throttle.on_rollup(loop.time()) is Verdict.ACCEPT:
-            return
+            return None
         self.counters.throttle(self.method, "defer")
         while not self.throttle.rollups.try_take(loop.time()):
             await asyncio.sleep(self.throttle.rollups.wait_time(loop.time()))
+        return None
 
 
 class _StrictContext:
-    """Delegates to the real servicer context, but a frame gRPC could not deserialize ends the
-    call with INVALID_ARGUMENT. (grpc.aio raises DecodeError out of ``read()`` — or hands the
-    handler ``None`` — which handlers tend to mistake for end-of-stream or crash on.)"""
+    """Delegates to the real servicer context; vets every inbound frame of a streaming call.
+
+    A frame gRPC could not deserialize (grpc.aio raises DecodeError out of ``read()``, or hands
+    the handler ``None``, which handlers mistake for end-of-stream or crash on) ends the call
+    with INVALID_ARGUMENT; the stream limits end it with RESOURCE_EXHAUSTED. Either way the read
+    raises :class:`_EndStream` and :meth:`finish` sends the status once the handler is done.
+    """
 
     def __init__(self, inner: grpc.aio.ServicerContext, guard: _StreamGuard | None = None) -> None:
         self._inner = inner
         self._guard = guard
+        self.ending: _EndStream | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+    async def vet(self, msg: Any) -> Any:
+        if self.ending is not None:
+            raise self.ending
+        if _bad(msg):
+            self.ending = _EndStream(grpc.StatusCode.INVALID_ARGUMENT, MALFORMED)
+            raise self.ending
+        if self._guard is not None and msg is not grpc.aio.EOF:
+            end = await self._guard.admit(msg, self._inner.peer())
+            if end is not None:
+                self.ending = end
+                raise end
+        return msg
 
     async def read(self) -> Any:
         try:
             msg = await self._inner.read()
         except DecodeError:
             msg = None
-        if _bad(msg):
-            await self._inner.abort(grpc.StatusCode.INVALID_ARGUMENT, MALFORMED)
-        if self._guard is not None and msg is not grpc.aio.EOF:
-            await self._guard.admit(msg, self._inner)
-        return msg
+        return await self.vet(msg)
+
+    async def finish(self) -> None:
+        if self.ending is not None:
+            await self._inner.abort(self.ending.code, self.ending.details)
 
 
-async def _strict_iter(
-    it: AsyncIterator[Any], context: grpc.aio.ServicerContext, guard: _StreamGuard | None = None
-) -> AsyncIterator[Any]:
+async def _strict_iter(it: AsyncIterator[Any], strict: _StrictContext) -> AsyncIterator[Any]:
     while True:
         try:
             msg = await it.__anext__()
@@ -348,11 +377,23 @@ async def _strict_iter(
             return
         except DecodeError:
             msg = None
-        if _bad(msg):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, MALFORMED)
-        if guard is not None:
-            await guard.admit(msg, context)
-        yield msg
+        yield await strict.vet(msg)
+
+
+async def _run_stream_handler(call: Awaitable[Any], strict: _StrictContext) -> Any:
+    """Await the handler; if a frame was refused, end the call with that status afterwards."""
+    try:
+        result = await call
+    except _EndStream:
+        result = None
+    except grpc.aio.AbortError:
+        raise  # the handler chose its own status
+    except Exception:
+        if strict.ending is None:
+            raise
+        result = None
+    await strict.finish()
+    return result
 
 
 def _wrap(
@@ -405,8 +446,8 @@ def _wrap(
             reason = _decide(context, access, None)
             if reason is not None:
                 await _deny(context, method, reason, denials)
-            guard = _StreamGuard(limit, method, denials) if limit is not None else None
-            return await inner_su(_strict_iter(request_iterator, context, guard), _StrictContext(context, guard))
+            strict = _StrictContext(context, _StreamGuard(limit, method, denials) if limit is not None else None)
+            return await _run_stream_handler(inner_su(_strict_iter(request_iterator, strict), strict), strict)
 
         return grpc.stream_unary_rpc_method_handler(su, request_deserializer=des, response_serializer=ser)
 
@@ -417,9 +458,18 @@ def _wrap(
             reason = _decide(context, access, None)
             if reason is not None:
                 await _deny(context, method, reason, denials)
-            guard = _StreamGuard(limit, method, denials) if limit is not None else None
-            async for item in inner_ss(_strict_iter(request_iterator, context, guard), _StrictContext(context, guard)):
-                yield item
+            strict = _StrictContext(context, _StreamGuard(limit, method, denials) if limit is not None else None)
+            try:
+                async for item in inner_ss(_strict_iter(request_iterator, strict), strict):
+                    yield item
+            except _EndStream:
+                pass
+            except grpc.aio.AbortError:
+                raise
+            except Exception:
+                if strict.ending is None:
+                    raise
+            await strict.finish()
 
         return grpc.stream_stream_rpc_method_handler(ss_gen, request_deserializer=des, response_serializer=ser)
 
@@ -427,8 +477,8 @@ def _wrap(
         reason = _decide(context, access, None)
         if reason is not None:
             await _deny(context, method, reason, denials)
-        guard = _StreamGuard(limit, method, denials) if limit is not None else None
-        await inner_ss(_strict_iter(request_iterator, context, guard), _StrictContext(context, guard))
+        strict = _StrictContext(context, _StreamGuard(limit, method, denials) if limit is not None else None)
+        await _run_stream_handler(inner_ss(_strict_iter(request_iterator, strict), strict), strict)
 
     return grpc.stream_stream_rpc_method_handler(ss, request_deserializer=des, response_serializer=ser)
 

@@ -11,7 +11,9 @@ import argparse
 import asyncio
 import contextlib
 import signal
+import sys
 from dataclasses import replace
+from typing import Any
 
 from bigfleet.observability import configure_logging, get_logger, new_registry, start_metrics_server
 from bigfleet.provider.kit.backend import Backend
@@ -34,6 +36,9 @@ def add_common_args(p: argparse.ArgumentParser, default_listen: str = "127.0.0.1
     p.add_argument("--log-format", default="json", choices=["json", "console"])
     p.add_argument("--conformance-faults", action="store_true",
                    help="enable the conformance fault hooks (also BIGFLEET_CONFORMANCE_FAULTS=1)")
+    from bigfleet.security import add_tls_arguments
+
+    add_tls_arguments(p)  # --tls-cert/--tls-key/--tls-ca: all three or none
 
 
 def options_from_args(args: argparse.Namespace, base: KitOptions | None = None) -> KitOptions:
@@ -49,7 +54,8 @@ def options_from_args(args: argparse.Namespace, base: KitOptions | None = None) 
 
 
 async def serve_until_signal(
-    backend: Backend, args: argparse.Namespace, options: KitOptions | None = None, component: str = "provider"
+    backend: Backend, args: argparse.Namespace, options: KitOptions | None = None, component: str = "provider",
+    tls: Any = None,
 ) -> int:
     log = get_logger("bigfleet.provider", component=component)
     opts = options_from_args(args, options)
@@ -58,7 +64,7 @@ async def serve_until_signal(
         log.warning("conformance fault hooks enabled", transition_timeout=opts.configure_timeout)
     store: Store = FileStore(args.state_file) if args.state_file else NullStore()
     registry = new_registry(process_metrics=True)
-    running = await serve(backend, args.listen, store, opts, registry)
+    running = await serve(backend, args.listen, store, opts, registry, tls=tls)
     metrics = start_metrics_server(args.metrics_listen, registry) if args.metrics_listen else None
     log.info("provider serving", listen=args.listen, port=running.port, machines=len(running.provider.core.machines),
              state_file=args.state_file or None, revision=running.provider.core.rev)
@@ -94,5 +100,12 @@ async def _reconcile_loop(provider: ProviderServer, interval: float, log: object
 
 def run(backend: Backend, args: argparse.Namespace, options: KitOptions | None = None,
         component: str = "provider") -> int:
+    from bigfleet.security import TLSConfig, TLSConfigError
+
+    try:
+        tls = TLSConfig.from_args(args)  # None without the flags; a partial set is a startup error
+    except TLSConfigError as exc:
+        print(f"bigfleet {component}: {exc}", file=sys.stderr)
+        return 2
     configure_logging(args.log_level, args.log_format, component=component)
-    return asyncio.run(serve_until_signal(backend, args, options, component))
+    return asyncio.run(serve_until_signal(backend, args, options, component, tls=tls))

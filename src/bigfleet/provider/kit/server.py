@@ -387,15 +387,28 @@ async def serve(
     store: Store | None = None,
     options: KitOptions | None = None,
     registry: CollectorRegistry | None = None,
+    tls: Any = None,
 ) -> RunningProvider:
-    """Start a provider on ``listen`` (port 0 picks one) with the health service SERVING."""
+    """Start a provider on ``listen`` (port 0 picks one) with the health service SERVING.
+
+    ``tls`` (a ``bigfleet.security.TLSConfig``) serves mTLS and enforces the provider role
+    policy: mutations only from ``bigfleet://shard/<id>`` acting as itself (protocols.md §8).
+    """
     from bigfleet.rpc.options import SERVING
 
     provider = ProviderServer(backend, store, options, registry)
     await provider.start()
-    server, health = new_server()
-    provider.register(server)
-    port = server.add_insecure_port(listen)
+    if tls is None:
+        server, health = new_server()
+        provider.register(server)
+        port = server.add_insecure_port(listen)
+    else:
+        from bigfleet.security import PROVIDER_POLICY, RoleInterceptor, add_port
+
+        roles = RoleInterceptor(PROVIDER_POLICY, registry=registry, component="provider")
+        server, health = new_server(interceptors=[roles])
+        provider.register(server)
+        port = add_port(server, listen, tls)
     if port == 0:
         raise OSError(f"cannot listen on {listen}")
     await server.start()
