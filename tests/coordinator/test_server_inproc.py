@@ -30,11 +30,11 @@ async def coord(tmp_path: Path) -> AsyncIterator[tuple[CoordinatorDaemon, Coordi
     d = CoordinatorDaemon(cfg)
     await d.start()
     client = CoordinatorClient([d.grpc_address], timeout=5.0)
-    deadline = time.monotonic() + 20
-    while not d.ready():
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.05)
     try:
+        deadline = time.monotonic() + 30
+        while not d.ready():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
         yield d, client
     finally:
         await client.close()
@@ -113,7 +113,7 @@ async def test_silent_shard_is_down_not_deleted(tmp_path: Path) -> None:
     await d.start()
     c = CoordinatorClient([d.grpc_address])
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 30
         while not d.ready():
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)

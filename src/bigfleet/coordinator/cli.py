@@ -92,8 +92,6 @@ def main(argv: list[str]) -> int:
     from bigfleet.security.tls import tls_from_args_or_exit
 
     tls = tls_from_args_or_exit(parser, args)
-    configure_logging(args.log_level, args.log_format, component="coordinator")
-    log = get_logger("coordinator")
     password = _password(args)
     if not password:
         print(
@@ -102,6 +100,8 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    configure_logging(args.log_level, args.log_format, component="coordinator")
+    log = get_logger("coordinator")
     from bigfleet.coordinator.server import CoordinatorConfig, CoordinatorDaemon
 
     cfg = CoordinatorConfig(

@@ -387,7 +387,11 @@ class HeartbeatLoop:
         backoff = min(1.0, self.interval)
         try:
             while True:
-                ok = await self.report_once()
+                try:
+                    ok = await self.report_once()
+                except Exception as exc:  # nothing (not even a broken log sink) may stop the loop
+                    self.last_error = repr(exc)
+                    ok = False
                 if ok:
                     backoff = min(1.0, self.interval)
                     wait = self.interval
@@ -455,10 +459,11 @@ class HeartbeatLoop:
     async def _run_one(self, ins: pb.CoordinatorInstruction) -> None:
         outcome, reason, mids = await self._dispatch(ins)
         self.gate.finish(ins.instruction_id, outcome, reason, mids)
+        self.kick()
         self._persist()
         name = pb.InstructAck.Outcome.Name(outcome)  # type: ignore[arg-type]
-        self.log.info("instruction done", id=ins.instruction_id, kind=ins.WhichOneof("payload"), outcome=name, reason=reason)
-        self.kick()
+        with contextlib.suppress(Exception):
+            self.log.info("instruction done", id=ins.instruction_id, kind=ins.WhichOneof("payload"), outcome=name, reason=reason)
 
     async def _dispatch(self, ins: pb.CoordinatorInstruction) -> tuple[int, str, list[str]]:
         kind = ins.WhichOneof("payload")

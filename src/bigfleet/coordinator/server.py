@@ -151,6 +151,13 @@ class CoordinatorDaemon:
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()  # never leave a Raft tick thread running (it would keep the process alive)
+            raise
+
+    async def _start(self) -> None:
         cfg = self.cfg
         self.raft = RaftNode(
             RaftConfig(
@@ -188,12 +195,16 @@ class CoordinatorDaemon:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
         if self.server is not None:
             await self.server.stop(1.0)
+            self.server = None
         if self.raft is not None:
             self.raft.destroy()
+            self.raft = None
         if self._metrics_server is not None:
             self._metrics_server.stop()
+            self._metrics_server = None
 
     @property
     def grpc_address(self) -> str:
