@@ -43,3 +43,25 @@ def test_all_in_one_refuses_a_bad_scenario_file(tmp_path: Path) -> None:
     assert r.returncode == 2 and "unknown keys" in r.stderr
     r = _run("--duration", "0", timeout=60)
     assert r.returncode == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_all_in_one_runs_a_scenario_file_with_an_operator_cut_off(tmp_path: Path) -> None:
+    sc = tmp_path / "two.yaml"
+    sc.write_text(
+        "inventory: {committed: 6, speculative: 4}\n"
+        "clusters:\n"
+        "  alpha:\n    - {name: web, pods: 4, cpu: 3, priority: 1000}\n"
+        "  beta:\n    - {name: api, pods: 2, cpu: 3, priority: 500}\n"
+        "faults:\n  - {at: 4, kind: disconnect, cluster: beta}\n  - {at: 14, kind: reconnect, cluster: beta}\n"
+    )
+    r = _run("--scenario", str(sc), "--duration", "16", "--tick", "0.5", "--print-every", "1")
+    out = r.stdout
+    assert r.returncode == 0, out + r.stderr
+    assert re.search(r"clusters connected=1 ", out), out  # beta was cut off for a while
+    assert "operator reconnects 1" in out, out
+    m = re.search(r"inventory: .*\(total (\d+)\)", out)
+    assert m and int(m.group(1)) == 10, out
+    configured = re.search(r"configured in clusters (\d+)", out)
+    assert configured and int(configured.group(1)) == 3, out  # alpha 2 machines, beta 1 (back after the cut)

@@ -193,7 +193,7 @@ async def run(args: argparse.Namespace, scenario: Scenario) -> int:
                     if f.at == cycle and f.cluster:
                         for op in ops:
                             if op.cluster_id == f.cluster and f.kind in ("disconnect", "reconnect"):
-                                op.cut_off = f.kind == "disconnect"
+                                op.cut(f.kind == "disconnect")
                 for op in ops:
                     op.tick(cycle, now_ns)
                 for name in await asyncio.to_thread(fleet.check):

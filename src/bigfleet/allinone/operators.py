@@ -37,6 +37,7 @@ class WireOperator:
     _task: asyncio.Task[None] | None = None
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     connected: asyncio.Event = field(default_factory=asyncio.Event)
+    _cut: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def cluster_id(self) -> str:
@@ -79,6 +80,14 @@ class WireOperator:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
 
+    def cut(self, on: bool) -> None:
+        """Cut this operator off the shard (a partition) or let it reconnect."""
+        self.cut_off = on
+        if on:
+            self._cut.set()
+        else:
+            self._cut.clear()
+
     async def _session(self) -> None:
         async with insecure_channel(self.target) as ch:
             call = shard_pb2_grpc.ShardStub(ch).Session()
@@ -90,16 +99,21 @@ class WireOperator:
                 self._out.get_nowait()  # stale roll-ups: the next tick sends the current demand
             self.connected.set()
             writer = asyncio.create_task(self._write(call))
+            reader = asyncio.create_task(self._read(call))
+            cut = asyncio.create_task(self._cut.wait())
             try:
-                async for msg in call:
-                    self._handle(msg)
-                    if self.cut_off:
-                        call.cancel()
-                        return
+                done, _ = await asyncio.wait({reader, cut}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                writer.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await writer
+                for t in (writer, reader, cut):
+                    t.cancel()
+                call.cancel()
+                await asyncio.gather(writer, reader, cut, return_exceptions=True)
+            if reader in done and not reader.cancelled() and reader.exception() is not None:
+                raise reader.exception()  # type: ignore[misc]
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        async for msg in call:
+            self._handle(msg)
 
     async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
         while True:
