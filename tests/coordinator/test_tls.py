@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -33,12 +34,18 @@ async def test_roles_and_identities_under_mtls(tmp_path: Path, capsys: pytest.Ca
     )
     for i in range(g.n):
         g.start(i)
+    try:
+        await _exercise(g, pki, tls, capsys)
+    finally:
+        g.stop_all()
+
+
+async def _exercise(g: CoordGroup, pki: Path, tls: Any, capsys: pytest.CaptureFixture[str]) -> None:
     shard = CoordinatorClient(g.addresses, tls=tls("shard-shard-0"), timeout=3.0)
     cluster = CoordinatorClient(g.addresses, tls=tls("cluster-cluster-a"), timeout=3.0)
     readonly = CoordinatorClient(g.addresses, tls=tls("readonly"), timeout=3.0)
     plain = CoordinatorClient(g.addresses, timeout=2.0)
     try:
-
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -69,15 +76,13 @@ async def test_roles_and_identities_under_mtls(tmp_path: Path, capsys: pytest.Ca
         for c in (shard, cluster, readonly, plain):
             await c.close()
 
-    try:
-        tls_args = ["--tls-cert", str(pki / "admin.crt"), "--tls-key", str(pki / "admin.key"), "--tls-ca", str(pki / "ca.crt")]
-        coord = ["--coordinator", g.addr(0)]
-        assert await asyncio.to_thread(ctl, [*tls_args, "domains", "assign", "--key", "rack", "--value", "r1", "--shard", "shard-0", *coord]) == 0
-        ro = ["--tls-cert", str(pki / "readonly.crt"), "--tls-key", str(pki / "readonly.key"), "--tls-ca", str(pki / "ca.crt")]
-        capsys.readouterr()
-        assert await asyncio.to_thread(ctl, [*ro, "domains", "unassign", "--key", "rack", "--value", "r1", *coord]) == 1
-        assert "PERMISSION_DENIED" in capsys.readouterr().err
-        assert await asyncio.to_thread(ctl, [*ro, "domains", "-o", "json", *coord]) == 0
-        assert '"r1"' in capsys.readouterr().out
-    finally:
-        g.stop_all()
+    # bigfleetctl with an admin certificate, then with a readonly one.
+    tls_args = ["--tls-cert", str(pki / "admin.crt"), "--tls-key", str(pki / "admin.key"), "--tls-ca", str(pki / "ca.crt")]
+    coord = ["--coordinator", g.addr(0)]
+    assert await asyncio.to_thread(ctl, [*tls_args, "domains", "assign", "--key", "rack", "--value", "r1", "--shard", "shard-0", *coord]) == 0
+    ro = ["--tls-cert", str(pki / "readonly.crt"), "--tls-key", str(pki / "readonly.key"), "--tls-ca", str(pki / "ca.crt")]
+    capsys.readouterr()
+    assert await asyncio.to_thread(ctl, [*ro, "domains", "unassign", "--key", "rack", "--value", "r1", *coord]) == 1
+    assert "PERMISSION_DENIED" in capsys.readouterr().err
+    assert await asyncio.to_thread(ctl, [*ro, "domains", "-o", "json", *coord]) == 0
+    assert '"r1"' in capsys.readouterr().out
