@@ -7,6 +7,7 @@ import asyncio
 import shutil
 import tempfile
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,7 @@ class Replica:
     peers_raft: list[str]
     listen: str = field(default_factory=lambda: f"127.0.0.1:{free_port()}")
     raft: str = field(default_factory=lambda: f"127.0.0.1:{free_port()}")
+    metrics: str = field(default_factory=lambda: f"127.0.0.1:{free_port()}")
     data_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="bigfleet-shard-ha-"))
     extra: tuple[str, ...] = ()
     proc: ManagedProcess | None = None
@@ -65,7 +67,7 @@ class Replica:
         self.proc = ManagedProcess.bigfleet(
             ["shard", "--shard-id", "s1", "--replica-id", self.name, "--listen", self.listen,
              "--provider", self.provider, "--data-dir", self.data_dir, "--raft-bind", self.raft,
-             "--raft-peers", peers, "--raft-password", PASSWORD, "--cycle-interval", "0.3",
+             "--raft-peers", peers, "--raft-password", PASSWORD, "--metrics-listen", self.metrics, "--cycle-interval", "0.3",
              "--min-cycle-gap", "0.05", "--reconcile-interval", "0.2", "--log-format", "console", *self.extra],
             self.name,
         ).start()
@@ -99,6 +101,21 @@ class Replica:
     def logs(self) -> str:
         return self.proc.logs() if self.proc else ""
 
+    async def metric(self, name: str) -> float | None:
+        """One unlabelled sample from this replica's /metrics (None when absent or unreachable)."""
+        def get() -> float | None:
+            try:
+                with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=2) as resp:
+                    text = resp.read().decode()
+            except OSError:
+                return None
+            for line in text.splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+            return None
+
+        return await asyncio.to_thread(get)
+
 
 @dataclass
 class Group:
@@ -108,6 +125,9 @@ class Group:
     provider_proc: ManagedProcess | None = None
     provider: str = ""
     replicas: list[Replica] = field(default_factory=list)
+    spy: Any = None  # a SpyProvider between the replicas and the provider, when with_spy
+    with_spy: bool = False
+    _spy_server: Any = None
 
     async def start(self) -> Group:
         self.provider = f"127.0.0.1:{free_port()}"
@@ -115,8 +135,11 @@ class Group:
             ["fake-provider", "--listen", self.provider, "--log-format", "console", *self.provider_args],
             "provider").start()
         wait_for_health(self.provider, timeout=60)
+        target = self.provider
+        if self.with_spy:
+            self.spy, self._spy_server, target = await start_spy(self.provider)
         rafts = [f"127.0.0.1:{free_port()}" for _ in range(self.size)]
-        self.replicas = [Replica(f"r{i}", self.provider, rafts, raft=rafts[i], extra=self.replica_args)
+        self.replicas = [Replica(f"r{i}", target, rafts, raft=rafts[i], extra=self.replica_args)
                          for i in range(self.size)]
         for r in self.replicas:
             r.start()
@@ -136,6 +159,12 @@ class Group:
         async with insecure_channel(self.provider) as ch:
             lst = await provider_pb2_grpc.CapacityProviderStub(ch).List(provider_pb2.ListFilter(), timeout=10)
             return list(lst.machines)
+
+    async def close(self, dump: bool = False) -> None:
+        self.stop(dump)
+        if self._spy_server is not None:
+            await self._spy_server.stop(0)
+            await self.spy.channel.close()
 
     def stop(self, dump: bool = False) -> None:
         for r in self.replicas:
@@ -195,3 +224,63 @@ class Operator:
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
         await self._ch.close()
+
+
+@dataclass
+class Call:
+    rpc: str
+    machine_id: str
+    epoch: int
+    code: grpc.StatusCode
+    at: float
+
+
+class SpyProvider(provider_pb2_grpc.CapacityProviderServicer):
+    """A pass-through in front of the fake provider recording each mutating call's epoch and outcome."""
+
+    def __init__(self, upstream: str) -> None:
+        self.channel = insecure_channel(upstream)
+        self.stub = provider_pb2_grpc.CapacityProviderStub(self.channel)
+        self.calls: list[Call] = []
+
+    async def _fwd(self, rpc: str, req: Any, context: grpc.aio.ServicerContext) -> Any:
+        fn = getattr(self.stub, rpc)
+        remaining = context.time_remaining()
+        try:
+            resp = await fn(req, timeout=remaining if remaining is not None else 30)
+        except grpc.aio.AioRpcError as exc:
+            if hasattr(req, "shard_epoch"):
+                self.calls.append(Call(rpc, req.machine_id, req.shard_epoch, exc.code(), time.monotonic()))
+            await context.abort(exc.code(), exc.details() or "")
+        if hasattr(req, "shard_epoch"):
+            self.calls.append(Call(rpc, req.machine_id, req.shard_epoch, grpc.StatusCode.OK, time.monotonic()))
+        return resp
+
+    async def Create(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._fwd("Create", request, context)
+
+    async def Configure(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._fwd("Configure", request, context)
+
+    async def Drain(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._fwd("Drain", request, context)
+
+    async def Delete(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._fwd("Delete", request, context)
+
+    async def Get(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._fwd("Get", request, context)
+
+    async def List(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._fwd("List", request, context)
+
+
+async def start_spy(upstream: str) -> tuple[SpyProvider, grpc.aio.Server, str]:
+    from bigfleet.rpc import new_server
+
+    spy = SpyProvider(upstream)
+    server, _health = new_server()
+    provider_pb2_grpc.add_CapacityProviderServicer_to_server(spy, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return spy, server, f"127.0.0.1:{port}"

@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health as grpc_health
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from bigfleet.decision.types import EngineState
 from bigfleet.needs import ValidationError, rollup_from_proto
@@ -113,6 +114,23 @@ def _copy_state(s: HAState) -> HAState:
                    s.leader_node, s.leader_advertise, s.replaces)
 
 
+class HAMetrics:
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        r = registry if registry is not None else CollectorRegistry()
+        self.leader = Gauge("bigfleet_shard_ha_leader", "1 while this replica leads the shard", registry=r)
+        self.epoch = Gauge("bigfleet_shard_ha_epoch", "Shard epoch in the replicated state", registry=r)
+        self.raft_term = Gauge("bigfleet_shard_ha_raft_term", "Current Raft term", registry=r)
+        self.clusters = Gauge("bigfleet_shard_ha_replicated_clusters", "Clusters with a replicated roll-up",
+                              registry=r)
+        self.replaces = Gauge("bigfleet_shard_ha_replaces_applied", "Replace commands applied locally", registry=r)
+        self.takeovers = Counter("bigfleet_shard_ha_takeovers_total", "Times this replica became the leader",
+                                 registry=r)
+        self.stepdowns = Counter("bigfleet_shard_ha_stepdowns_total", "Times this replica stopped leading",
+                                 ["reason"], registry=r)
+        self.rollup_commit = Counter("bigfleet_shard_ha_rollups_not_committed", "Roll-ups refused: not committed",
+                                   registry=r)
+
+
 class HAController:
     def __init__(
         self,
@@ -123,7 +141,9 @@ class HAController:
         advertise: str,
         tls: Any = None,
         poll: float = 0.05,
+        registry: CollectorRegistry | None = None,
     ) -> None:
+        self.ha_metrics = HAMetrics(registry)
         self.raft = raft
         self.base_config = base_config
         self.metrics = metrics
@@ -148,6 +168,7 @@ class HAController:
         while not self._stopping.is_set():
             leader = self.raft.is_leader()
             term = self.raft.raft_term()
+            self._observe(term)
             if self.daemon is None and leader and term != self._fenced_term:
                 try:
                     await self._take_over()
@@ -157,6 +178,15 @@ class HAController:
             elif self.daemon is not None and (not leader or term != self.term):
                 await self._step_down("lost raft leadership")
             await asyncio.sleep(self.poll)
+
+    def _observe(self, term: int) -> None:
+        m = self.ha_metrics
+        epoch, clusters, replaces = self.raft.read(lambda s: (s.epoch, len(s.rollups), s.replaces))
+        m.leader.set(1 if self.daemon is not None else 0)
+        m.epoch.set(epoch)
+        m.raft_term.set(term)
+        m.clusters.set(clusters)
+        m.replaces.set(replaces)
 
     async def _take_over(self) -> None:
         started = time.perf_counter()
@@ -179,6 +209,7 @@ class HAController:
         self.read_servicer, self.admin_servicer = ShardReadServicer(daemon), ShardAdminServicer(daemon)
         self.daemon = daemon
         self.takeovers += 1
+        self.ha_metrics.takeovers.inc()
         await daemon.start()
         await self._set_health(True)
         log.warning("leading the shard", epoch=epoch, raft_term=term, clusters=clusters,
@@ -198,6 +229,7 @@ class HAController:
             return
         self.daemon = None
         self.read_servicer = self.admin_servicer = None
+        self.ha_metrics.stepdowns.labels(why).inc()
         await self._set_health(False)
         log.warning("stepping down", reason=why, epoch=self.epoch)
         d.sessions.close_all(grpc.StatusCode.UNAVAILABLE, "shard replica stepped down; reconnect")
@@ -215,6 +247,7 @@ class HAController:
             ok = await self.raft.replace(cluster_id, pb.SerializeToString(), now, self.epoch)
         except RaftError as exc:
             log.warning("roll-up not committed", cluster=cluster_id, error=str(exc))
+            self.ha_metrics.rollup_commit.inc()
             return False
         if not ok:
             log.warning("roll-up refused by the replicated state (stale epoch)", cluster=cluster_id)

@@ -1,0 +1,141 @@
+"""A paused (partitioned) leader is fenced out when it resumes; a restarted follower catches up."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections import Counter
+from functools import partial
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from .group import Group, Operator, Replica, need, until
+
+pytestmark = pytest.mark.slow
+
+REDIRECT = "bigfleet-redirect"
+
+
+async def _redirect(target: str) -> str:
+    async with Operator(target, "probe") as op:
+        await asyncio.wait_for(op.done.wait(), 10)
+    assert op.error is not None and op.error.code() == grpc.StatusCode.UNAVAILABLE, op.error
+    return str(dict(op.error.trailing_metadata() or ()).get(REDIRECT, ""))
+
+
+async def _health(r: Replica, status: int) -> bool:
+    return bool(await r.health() == status)
+
+
+async def _configured(g: Group, n: int) -> bool:
+    ms = await g.machines()
+    return sum(1 for m in ms if m.cluster and m.state == 5) >= n and not any(m.state in (2, 4) for m in ms)
+
+
+async def _acked(op: Operator, n: int = 1) -> bool:
+    return len(op.acks) >= n
+
+
+async def test_paused_leader_is_fenced_and_steps_down() -> None:
+    g = await Group(("--seed-count", "16", "--create-delay", "1.5"), with_spy=True).start()
+    ok = False
+    ops: list[Operator] = []
+    try:
+        old = await g.leader()
+        ops = [Operator(old.listen, c) for c in ("c0", "c1")]
+        for op in ops:
+            await op.__aenter__()
+            await op.rollup([need("1", count=2), need("2", priority=200)])
+        for op in ops:
+            await until(partial(_acked, op), 30, "roll-up ack")
+        old_epoch = ops[0].acks[-1].shard_epoch
+        await until(lambda: _creating(g), 30, "Creates in flight")
+        assert old.proc is not None
+        old.proc.signal(signal.SIGSTOP)  # a partition: alive, holding its sessions, silent
+        try:
+            new = await g.leader(timeout=30, exclude=old)
+            new_ops = [Operator(new.listen, c) for c in ("c0", "c1")]
+            for op in new_ops:
+                await op.__aenter__()
+            ops += new_ops
+            for op in new_ops:
+                await until(partial(_acked, op), 30, "ack from the new leader")
+                assert op.acks[-1].shard_epoch > old_epoch
+            await until(partial(_configured, g, 4), 60, "new leader configured the demand")
+        finally:
+            old.proc.signal(signal.SIGCONT)
+        resumed = time.monotonic()
+        # The old replica steps down: NOT_SERVING, and it points operators at the new leader.
+        await until(partial(_health, old, health_pb2.HealthCheckResponse.NOT_SERVING), 20, "old leader NOT_SERVING")
+        assert await until(partial(_redirect, old.listen), 20, "redirect from the old leader") == new.listen
+        c = await new.cycle()
+        await until(lambda: _cycle_at(new, c + 5), 30, "five more cycles on the new leader")
+        late = [x for x in g.spy.calls if x.epoch == old_epoch and x.at >= resumed and x.rpc != "Get"]
+        new_touched = {x.machine_id for x in g.spy.calls if x.epoch > old_epoch and x.code == grpc.StatusCode.OK}
+        print(f"late calls from the deposed leader: {[(x.rpc, x.machine_id, x.code.name) for x in late]}")
+        # Any late mutation on a machine the new leader had acted on was refused by fencing.
+        for x in late:
+            if x.machine_id in new_touched:
+                assert x.code == grpc.StatusCode.FAILED_PRECONDITION, x
+        if any(x.code == grpc.StatusCode.FAILED_PRECONDITION for x in late):
+            assert "fenced by the provider" in old.logs()
+        machines = await g.machines()
+        per_cluster = Counter(m.cluster for m in machines if m.cluster)
+        assert per_cluster == {"c0": 2, "c1": 2}, per_cluster
+        assert not [m for m in machines if m.state in (6, 7, 8)]
+        ok = True
+    finally:
+        for op in ops:
+            await op.__aexit__()
+        await g.close(dump=not ok)
+
+
+async def test_restarted_follower_catches_up_and_can_lead() -> None:
+    g = await Group(("--seed-count", "8",)).start()
+    ok = False
+    try:
+        leader = await g.leader()
+        follower = next(r for r in g.replicas if r is not leader)
+        assert follower.proc is not None
+        follower.proc.stop()
+        async with Operator(leader.listen, "c0") as op:  # written while the follower is down
+            await op.rollup([need("1"), need("2", priority=200), need("1", priority=300)])
+            await until(partial(_acked, op), 30, "roll-up ack")
+        follower.start()  # same data dir: journal and snapshot, then the entries it missed
+        want = await until(lambda: leader.metric("bigfleet_shard_ha_replaces_applied"), 30, "leader metric")
+        assert want >= 1
+        await until(lambda: _metric_is(follower, "bigfleet_shard_ha_replaces_applied", want), 30,
+                    "restarted follower applied every Replace")
+        assert await follower.metric("bigfleet_shard_ha_replicated_clusters") == 1
+        await until(lambda: _redirect_ok(follower, leader), 30, "restarted follower knows the leader")
+        assert leader.proc is not None
+        leader.proc.kill()
+        new = await g.leader(timeout=30, exclude=leader)
+        await until(lambda: _needs(new, 3), 30, "demand on the new leader")
+        ok = True
+    finally:
+        await g.close(dump=not ok)
+
+
+async def _metric_is(r: Replica, name: str, want: float) -> bool:
+    return await r.metric(name) == want
+
+
+async def _redirect_ok(f: Replica, leader: Replica) -> bool:
+    return await _redirect(f.listen) == leader.listen
+
+
+async def _needs(r: Replica, n: int) -> bool:
+    await r.cycle()
+    return await r.needs() == n
+
+
+async def _creating(g: Group) -> bool:
+    return any(m.state == 2 for m in await g.machines())
+
+
+async def _cycle_at(r: Replica, n: int) -> bool:
+    return await r.cycle() >= n

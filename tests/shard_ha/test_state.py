@@ -1,0 +1,79 @@
+"""The replicated state machine (pure) and the new leader's store restore."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+
+from bigfleet.decision.types import EngineState
+from bigfleet.shard.ha.controller import restore_store
+from bigfleet.shard.ha.state import HAState
+from bigfleet.shard.store import LocalDemandStore
+from bigfleet.v1alpha1 import capacity_pb2
+
+from .group import need
+
+
+def _rollup(cluster: str, *cpus: str) -> bytes:
+    return capacity_pb2.ClusterCapacityNeeds(cluster_id=cluster, needs=[need(c, priority=100 + i) for i, c in enumerate(cpus)]).SerializeToString()
+
+
+def test_claim_bumps_epoch_once_per_term_and_is_idempotent() -> None:
+    s = HAState()
+    assert s.claim(3, "a", "A") == 1
+    assert s.claim(3, "a", "A") == 1  # retried write: same epoch
+    assert s.claim(3, "b", "B") == 0  # a second node in the same term is refused
+    assert s.claim(2, "b", "B") == 0  # an older term is refused
+    assert s.claim(5, "b", "B") == 2
+    assert (s.leader_node, s.leader_advertise) == ("b", "B")
+
+
+def test_replace_only_from_the_current_epoch() -> None:
+    s = HAState()
+    e = s.claim(1, "a", "A")
+    assert s.replace("c1", _rollup("c1", "1"), 10, e)
+    assert s.claim(2, "b", "B") == 2
+    assert not s.replace("c1", _rollup("c1", "1", "2"), 11, e)  # deposed leader's late write
+    assert s.rollups["c1"].received_unix_nanos == 10
+    assert s.replace("c1", _rollup("c1", "1", "2"), 12, 2)
+    assert s.rollups["c1"].seq == 2 and s.first_rollup == {"c1"}
+    assert not s.replace("", b"", 1, 2)
+
+
+def test_engine_state_versions_and_carried_first_rollup_flags() -> None:
+    s = HAState()
+    e = s.claim(1, "a", "A")
+    s.replace("c1", _rollup("c1", "1"), 1, e)
+    st1 = EngineState(cycle=5, shortfall_ages={"k": 2})
+    assert s.save_engine(st1, 1, e)
+    assert not s.save_engine(EngineState(cycle=4), 1, e)  # reordered retry of an older version
+    assert not s.save_engine(EngineState(cycle=9), 2, e + 1)  # not the current epoch
+    carried = s.carried()
+    assert carried.cycle == 5 and carried.shortfall_ages == {"k": 2}
+    assert "c1" in carried.first_rollup
+    e2 = s.claim(2, "b", "B")  # a new leader's versions start over
+    assert s.save_engine(EngineState(cycle=6), 1, e2)
+
+
+def test_state_survives_a_snapshot_round_trip() -> None:
+    # pysyncobj snapshots pickle the consumer's attributes; so does its transport.
+    s = HAState()
+    e = s.claim(1, "a", "A")
+    s.replace("c1", _rollup("c1", "1"), 1, e)
+    s.save_engine(EngineState(cycle=3, parking={"g": 1}), 1, e)
+    t = pickle.loads(pickle.dumps(s))
+    assert t == s
+
+
+async def test_restore_builds_the_leaders_table_and_gate() -> None:
+    s = HAState()
+    e = s.claim(1, "a", "A")
+    s.replace("c1", _rollup("c1", "1", "2"), 100, e)
+    s.replace("c2", _rollup("c2", "4"), 200, e)
+    s.save_engine(EngineState(cycle=7, unmet_ages={"c1/x": 3}), 1, e)
+    store = LocalDemandStore()
+    assert restore_store(store, s) == 2
+    assert len(store.table.cluster("c1")) == 2 and len(store.table.cluster("c2")) == 1
+    assert store.has_rolled_up("c1") and store.has_rolled_up("c2")
+    assert store.engine_state().cycle == 7 and store.engine_state().unmet_ages == {"c1/x": 3}
+    await asyncio.sleep(0)
