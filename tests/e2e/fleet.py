@@ -156,6 +156,18 @@ class E2EFleet:
     def satisfied(self) -> bool:
         return all(len(self.ready_nodes(i)) >= self.want[self.cluster(i)] for i in range(self.clusters))
 
+    def verify(self, timeout: float = 30.0) -> dict[str, Any]:
+        """``check_nothing_lost_or_double_assigned`` once the operators' views have caught up (an
+        UpcomingNode trails its machine's state by a roll-up round trip)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.check_nothing_lost_or_double_assigned()
+            except (AssertionError, grpc.RpcError):
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.5)
+
     def check_nothing_lost_or_double_assigned(self) -> dict[str, Any]:
         """Every provider still has every machine; each Configured machine is bound to exactly one cluster,
         and the Ready UpcomingNodes across clusters match the providers' Configured machines one to one."""

@@ -38,7 +38,7 @@ def test_demand_flows_and_the_fleet_survives_faults(tmp_path: Path) -> None:
             f.add_demand(i, "web-0")
             f.add_demand(i, "web-1")
         times["initial demand satisfied (8 CRs -> 8 Ready)"] = f.wait(f.satisfied, "initial demand", 180)
-        f.check_nothing_lost_or_double_assigned()
+        f.verify()
 
         # 1. the coordinator leader dies: operators already hold their shards; a new leader is elected
         leader = f.coord.leader()
@@ -48,10 +48,10 @@ def test_demand_flows_and_the_fleet_survives_faults(tmp_path: Path) -> None:
         f.wait(f.satisfied, "demand after the leader kill", RECOVERY_BUDGET)
         f.coord.leader(timeout=RECOVERY_BUDGET)
         times["coordinator leader SIGKILL -> new leader and demand satisfied"] = time.monotonic() - start
-        f.check_nothing_lost_or_double_assigned()
+        f.verify()
 
         # 2. a shard dies (SIGKILL) and comes back on the same data dir (epoch bump, rebuilt from List)
-        before = f.check_nothing_lost_or_double_assigned()
+        before = f.verify()
         proc = f.shard_procs[1]
         assert proc is not None
         start = time.monotonic()
@@ -60,7 +60,7 @@ def test_demand_flows_and_the_fleet_survives_faults(tmp_path: Path) -> None:
         f.add_demand(1, "after-shard-kill")
         f.wait(f.satisfied, "demand after the shard kill", RECOVERY_BUDGET)
         times["shard SIGKILL + restart -> demand satisfied"] = time.monotonic() - start
-        after = f.check_nothing_lost_or_double_assigned()
+        after = f.verify()
         for c, n in before["configured"].items():  # nothing the restart could have taken away
             assert after["configured"].get(c, 0) >= n, (before, after)
 
@@ -73,7 +73,7 @@ def test_demand_flows_and_the_fleet_survives_faults(tmp_path: Path) -> None:
         f.add_demand(2, "after-provider-restart")
         f.wait(f.satisfied, "demand after the provider restart", RECOVERY_BUDGET)
         times["provider restart -> demand satisfied"] = time.monotonic() - start
-        f.check_nothing_lost_or_double_assigned()
+        f.verify()
 
         # 4. an operator is cut off (frozen) for CUTOFF seconds; demand added meanwhile is served after
         op = f.operators[3]
@@ -86,7 +86,7 @@ def test_demand_flows_and_the_fleet_survives_faults(tmp_path: Path) -> None:
         op.signal(signal.SIGCONT)
         f.wait(f.satisfied, "demand after the operator came back", RECOVERY_BUDGET)
         times[f"operator cut off {CUTOFF:g}s -> demand satisfied after it returns"] = time.monotonic() - start
-        final = f.check_nothing_lost_or_double_assigned()
+        final = f.verify()
         assert sum(final["ready"].values()) == sum(f.want.values())
     except BaseException:
         print(f.dump_logs())
