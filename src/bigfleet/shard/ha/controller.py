@@ -160,6 +160,7 @@ class HAController:
         self._stepping_down: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self.takeovers = 0
+        self.polls = 0
 
     # -- leadership -----------------------------------------------------------------------------
 
@@ -177,6 +178,7 @@ class HAController:
                     await self._step_down("takeover failed")
             elif self.daemon is not None and (not leader or term != self.term):
                 await self._step_down("lost raft leadership")
+            self.polls += 1
             await asyncio.sleep(self.poll)
 
     def _observe(self, term: int) -> None:
