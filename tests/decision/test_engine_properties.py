@@ -285,3 +285,31 @@ def test_bulk_crediting_equals_machine_by_machine(ms: list[Machine], ns: list[Ne
             mock.patch.object(eng_mod, "_bulk_hold", lambda *a: False):
         slow = _decide(ns, ms, ready)
     assert fast == slow
+
+
+@st.composite
+def homogeneous_fleet(draw: st.DrawFn) -> list[Machine]:
+    """Few shapes, many machines each, varied reclamation penalties: exercises the bulk paths."""
+    out = []
+    for i in range(draw(st.integers(0, 40))):
+        state = draw(st.sampled_from((S.CONFIGURED, S.CONFIGURED, S.CONFIGURING, S.IDLE, S.SPECULATIVE)))
+        cluster = draw(st.sampled_from(CLUSTERS)) if state in (S.CONFIGURED, S.CONFIGURING) else ""
+        out.append(machine(f"h{i:02d}", state, cluster=cluster, zone=draw(st.sampled_from("ab")),
+                           itype="t0", res=g(1), price=draw(st.sampled_from((1.0, 2.0))),
+                           rpd=draw(st.sampled_from((0.0, 0.0, 8.0)))))
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(homogeneous_fleet(), needs())
+def test_bulk_crediting_equals_machine_by_machine_on_dense_classes(ms: list[Machine], ns: list[Need]) -> None:
+    from unittest import mock
+
+    from bigfleet.decision import engine as eng_mod
+
+    ready = frozenset(CLUSTERS)
+    fast = _decide(ns, ms, ready, EngineConfig(reclaim_cap_fraction=0))
+    with mock.patch.object(eng_mod, "_band_hold", lambda *a: False), \
+            mock.patch.object(eng_mod, "_bulk_hold", lambda *a: False):
+        slow = _decide(ns, ms, ready, EngineConfig(reclaim_cap_fraction=0))
+    assert fast == slow
