@@ -22,6 +22,7 @@ class ModelShard:
     done: dict[str, dict[str, Any]] = field(default_factory=dict)  # instruction id -> ack (dedup)
     outbox: dict[str, dict[str, Any]] = field(default_factory=dict)
     released: dict[str, list[str]] = field(default_factory=dict)  # handoff id -> ids (idempotent release)
+    idle: set[str] = field(default_factory=set)  # machines serving no cluster (inventory transfers)
 
     def process(self, fsm: FleetState, fail: bool) -> None:
         for ins in fsm.pending(self.sid):
@@ -40,6 +41,15 @@ class ModelShard:
                 ack["machine_ids"] = self.released[hid]
             elif p["kind"] == "adopt_cluster":
                 self.clusters.setdefault(p["cluster_id"], set()).update(p["machine_ids"])
+            elif p["kind"] in ("transfer_ownership", "cross_shard_drain") and not p["machine_ids"]:
+                tid = p["transfer_id"]  # donor side: give up to two idle machines
+                if tid not in self.released:
+                    give = sorted(self.idle)[:2]
+                    self.idle -= set(give)
+                    self.released[tid] = give
+                ack["machine_ids"] = self.released[tid]
+            elif p["kind"] == "transfer_ownership":
+                self.idle.update(p["machine_ids"])  # recipient (or the donor taking them back)
             self.done[iid] = ack
             self.outbox[iid] = ack
 
@@ -47,7 +57,7 @@ class ModelShard:
 def owners(shards: dict[str, ModelShard]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for s in shards.values():
-        for ms in s.clusters.values():
+        for ms in [*s.clusters.values(), s.idle]:
             for m in ms:
                 out.setdefault(m, []).append(s.sid)
     return out
@@ -65,6 +75,9 @@ event = st.one_of(
     st.tuples(st.just("round"), st.tuples(st.booleans(), st.booleans(), st.booleans())),
     # An admin aborts whatever transfer the cluster has in flight.
     st.tuples(st.just("abort"), st.sampled_from(CLUSTERS)),
+    # The rebalancer moves idle machines (tier 1) or drains (tier 2) between shards; or an admin aborts one.
+    st.tuples(st.just("xfer"), st.sampled_from(SHARDS), st.sampled_from(SHARDS), st.sampled_from(["inventory", "drain"])),
+    st.tuples(st.just("abort_xfer"), st.integers(1, 20)),
 )
 
 
@@ -83,6 +96,10 @@ def test_handoffs_never_double_own_or_lose_a_machine(events: list[tuple[Any, ...
         ms = {f"{c}-m{j}" for j in range(2)}
         shards[home].clusters[c] = set(ms)
         all_machines |= ms
+    for s in SHARDS:
+        spare = {f"{s}-idle{j}" for j in range(3)}
+        shards[s].idle = set(spare)
+        all_machines |= spare
     tid = 0
 
     def check() -> None:
@@ -119,6 +136,11 @@ def test_handoffs_never_double_own_or_lose_a_machine(events: list[tuple[Any, ...
             fsm.apply({"op": "start_handoffs", "now": now, "moves": [{"cluster_id": c, "from": fsm.bindings[c].shard_id, "to": to, "transfer_id": f"t{tid}"}]})
         elif ev[0] == "process":
             shards[ev[1]].process(fsm, ev[2])
+        elif ev[0] == "xfer":
+            tid += 1
+            fsm.apply({"op": "start_transfer", "transfer_id": f"t{tid}", "kind": ev[3], "from": ev[1], "to": ev[2], "now": now})
+        elif ev[0] == "abort_xfer":
+            fsm.apply({"op": "abort_transfer", "transfer_id": f"t{ev[1]}", "now": now})
         elif ev[0] == "abort":
             for t in list(fsm.transfers.values()):
                 if t.cluster_id == ev[1]:
