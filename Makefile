@@ -5,9 +5,18 @@ BIN     := $(VENV)/bin
 PROTO_DIR := proto
 GEN_DIR   := src/bigfleet/v1alpha1
 
-.PHONY: install proto proto-check lint typecheck test test-fast bench fuzz soak e2e scale clean helm-check sync-crds
+.PHONY: install browser-deps proto proto-check lint typecheck test test-fast bench fuzz soak e2e scale clean helm-check sync-crds
 
-install: $(BIN)/bigfleet
+install: $(BIN)/bigfleet browser-deps
+
+# Debian's chromium for the dashboard's browser test. Best effort: skipped (the test then skips,
+# saying why) where apt-get is missing or we are not root; never downloads a browser build.
+browser-deps:
+	@if command -v chromium >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+	  || echo "browser-deps: could not install chromium; the dashboard browser test will skip"; \
+	else echo "browser-deps: no apt-get/root; the dashboard browser test will skip"; fi
 
 $(BIN)/bigfleet: pyproject.toml
 	$(PY) -m venv $(VENV)

@@ -112,6 +112,15 @@ class ShardSource:
         self.history = History()
         self.ages = ShortfallAges()
         self.actions = ActionLog()
+        observers = getattr(daemon, "cycle_observers", None)
+        if observers is not None:  # every cycle's actions, not only those a sample happens to see
+            observers.append(self.observe_cycle)
+
+    def observe_cycle(self, rec: Any) -> None:
+        dec = rec.decision
+        if dec is not None and (dec.actions or dec.suppressed):
+            self.actions.add_cycle(rec.cycle, rec.computed_at_unix_nanos / 1e9, dec.actions, dec.suppressed,
+                                   "" if dec.mode == "normal" else dec.mode)
 
     async def snapshot(self, now: float) -> dict[str, Any]:
         ctx: Any = LocalContext()
@@ -121,10 +130,7 @@ class ShardSource:
         views = [f.need for f in frames[1:]]
         sfs = await self.read.ListShortfalls(shardread_pb2.ListShortfallsRequest(), ctx)
         act = await self.admin.GetActuation(shardread_pb2.GetActuationRequest(), ctx)
-        rec = self.d.last
-        if rec.decision is not None:
-            self.actions.add_cycle(rec.cycle, rec.computed_at_unix_nanos / 1e9, rec.decision.actions,
-                                   rec.decision.suppressed, "" if rec.decision.mode == "normal" else rec.decision.mode)
+        self.observe_cycle(self.d.last)  # no-op for a cycle already recorded
         shard_id = self.d.config.shard_id
         by_state = {short_state(k): v for k, v in sorted(counts.by_state.items())}
         free = by_state.get("idle", 0) + by_state.get("speculative", 0)

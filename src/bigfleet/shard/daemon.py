@@ -105,6 +105,8 @@ class ShardDaemon:
         self.reconciled = asyncio.Event()
         self.last = CycleRecord()
         self.cycles = 0
+        # Observers of each finished cycle (the dashboard's action log); called on the loop, must be cheap.
+        self.cycle_observers: list[Callable[[CycleRecord], None]] = []
         self._trigger = asyncio.Event()
         self._stopping = asyncio.Event()
         self._cursor = b""
@@ -253,6 +255,11 @@ class ShardDaemon:
         self.metrics.phase_duration.labels("execute").observe(time.perf_counter() - t1)
         self.metrics.shortfalls.set(len(decision.shortfalls))
         self.last = CycleRecord(self.cycles, now, snapshot, decision, rows)
+        for observe in self.cycle_observers:
+            try:
+                observe(self.last)
+            except Exception as exc:  # an observer must never stop cycles
+                log.warning("cycle observer failed", error=str(exc))
         await self._emit_availability(connected, hints)
         self._update_inventory_gauge()
         self.metrics.cycle_duration.observe(time.perf_counter() - cycle_started)
