@@ -138,7 +138,9 @@ def test_shard_reaches_its_provider_over_mtls(pki: Pki, fleet: dict[str, str]) -
 def _metric(metrics_addr: str, name: str, labels: str) -> float:
     text = urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5).read().decode()
     for line in text.splitlines():
-        if line.startswith(name + "{") and all(part in line for part in labels.split(",")):
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and all(
+            part in line for part in labels.split(",") if part
+        ):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
@@ -273,3 +275,56 @@ def test_partial_tls_flags_are_a_startup_error(subcommand: str, tmp_path: Path) 
         pytest.skip(f"`bigfleet {subcommand}` has no --tls-* flags in this build")
     assert res.returncode == 2, res.stdout + res.stderr
     assert "--tls-key" in res.stderr and "--tls-ca" in res.stderr
+
+
+def _inspect_clusters(pki: Pki, addr: str) -> set[str]:
+    with dial_sync(addr, client(pki.root, "readonly")) as ch:
+        frames = rgrpc.ShardReadStub(ch).InspectNeeds(rpb.InspectNeedsRequest(), timeout=10)
+        return {f.need.cluster_id for f in frames if f.HasField("need")}
+
+
+def test_operator_processes_under_mtls_only_their_own_cluster_gets_in(pki: Pki, fleet: dict[str, str], tmp_path: Path) -> None:
+    """Real operators against a real shard: the right certificate's demand arrives, a certificate
+    for another cluster is refused (and counted) and its demand never reaches the NeedsTable."""
+    from bigfleet.k8stest import KubeTestServer
+
+    if not _supports_tls("operator"):
+        pytest.skip("`bigfleet operator` has no --tls-* flags in this build")
+    kube = KubeTestServer(bookmark_interval=1.0).start_in_thread()
+    kc = kube.kubeconfig(tmp_path / "kubeconfig")
+    kube.store.put({"apiVersion": "bigfleet.lucy.sh/v1alpha1", "kind": "CapacityRequest",
+                    "metadata": {"name": "cr-1", "namespace": "default"},
+                    "spec": {"priority": 5, "resources": {"cpu": "2"}}})
+    root = pki.root
+
+    def operator(cluster_id: str, cert: str, name: str) -> ManagedProcess:
+        return ManagedProcess.bigfleet(
+            ["operator", "--cluster-id", cluster_id, "--shard-addr", fleet["shard"], "--kubeconfig", str(kc),
+             "--namespace", "default", "--metrics-addr", "0",
+             "--tls-cert", str(root / f"{cert}.crt"), "--tls-key", str(root / f"{cert}.key"),
+             "--tls-ca", str(root / "ca.crt")],
+            name=name, log_dir=tmp_path).start()
+
+    from bigfleet.security import certs
+    from bigfleet.security.identity import cluster
+
+    certs.write_pair(certs.issue_certificate(pki.ca, cluster("cluster-honest")),
+                     root / "cluster-honest.crt", root / "cluster-honest.key")
+    rejected_before = _metric(fleet["metrics"], "bigfleet_shard_session_identity_rejected_total", "")
+    impostor = operator("cluster-imposter", "cluster-b", "impostor")
+    honest = operator("cluster-honest", "cluster-honest", "honest")
+    try:
+        wait_until(lambda: _metric(fleet["metrics"], "bigfleet_shard_session_identity_rejected_total", "")
+                   > rejected_before, 60, interval=0.3, what="impostor operator refused by the shard")
+        wait_until(lambda: "cluster-honest" in _inspect_clusters(pki, fleet["shard"]), 60, interval=0.3,
+                   what="the honest operator's demand in the shard")
+        assert "cluster-imposter" not in _inspect_clusters(pki, fleet["shard"])
+        assert impostor.alive()  # it keeps retrying; the shard keeps refusing
+    except BaseException:
+        for p in (impostor, honest):
+            print(p.name, p.logs()[-2000:])
+        raise
+    finally:
+        for p in (impostor, honest):
+            p.stop()
+        kube.stop_thread()
