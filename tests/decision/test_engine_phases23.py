@@ -469,3 +469,21 @@ def test_fast_built_records_equal_normal_construction() -> None:
         assert rebuilt == obj and hash(repr(rebuilt)) == hash(repr(obj))
         assert set(vars(obj)) == {f.name for f in dataclasses.fields(cls)}
     assert any(isinstance(a, Configure) for a in d.actions) and all(isinstance(v, Verdict) for v in d.verdicts)
+
+
+def test_gangs_credit_first_prevents_need_swapping() -> None:
+    """A plain need and a rack gang of equal priority in one cluster: the gang's own machines stay
+    with the gang (with `gangs_credit_first`), so nothing is re-acquired or reclaimed."""
+    gang = need("ml", 3, same_zone(1000, "train"), arrival=10)
+    web = need("ml", 2, profile(1000, reqs=[]), min_unit=gpu(1), arrival=1)
+    ms = [machine(f"g{i}", S.CONFIGURED, cluster="ml", zone="rack-b", fp=gang.fingerprint, group="train",
+                  prio=1000) for i in range(3)]
+    ms += [machine(f"w{i}", S.CONFIGURED, cluster="ml", zone="rack-a", fp=web.fingerprint, prio=1000,
+                   price=1.0, ctype=OD) for i in range(2)]
+    ms += [machine(f"i{i}", zone="rack-c") for i in range(3)]
+    st = EngineState(first_rollup=frozenset({"ml"}), same_domains={f"ml\x00train\x00{gang.fingerprint}": "rack-b"})
+    fixed = run([web, gang], ms, state=st, config=EngineConfig(gangs_credit_first=True, reclaim_cap_fraction=0))
+    assert fixed.actions == ()
+    # without it the plain need (earlier arrival) credits the gang's cheaper machines first
+    swapped = run([web, gang], ms, state=st, config=EngineConfig(reclaim_cap_fraction=0))
+    assert swapped.actions != ()

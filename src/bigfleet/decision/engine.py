@@ -799,8 +799,15 @@ def _acquire_spread(cy: _Cycle, n: _N, classes: list[MClass], penalty: float) ->
             counts[v] += 1
 
 
-def _credit(cy: _Cycle, rows: list[_N], state: EngineState) -> None:
-    """Pass 1: credit bound supply (and in-flight reservations) in precedence order."""
+def _credit(cy: _Cycle, rows: list[_N], state: EngineState, gangs_first: bool = False) -> None:
+    """Pass 1: credit bound supply (and in-flight reservations) in precedence order.
+
+    With `gangs_first`, within one priority level the Same gangs credit before plain needs: a plain
+    need can use any matching machine, a gang only the ones in its domain, so letting the plain
+    need go first can take a gang's own machines and make it re-acquire elsewhere (need swapping).
+    """
+    if gangs_first:
+        rows = sorted(rows, key=lambda r: (-r.prio, r.same is None))  # stable: precedence order within
     for n in rows:
         if n.same is not None:
             _credit_same(cy, n, state.same_domains.get(n.park_key))
@@ -1147,7 +1154,7 @@ class Engine:
         work = [n for _, _, _, rows in fresh for n in rows]
         work.sort(key=lambda r: r.order)
         self._mark("phase1_prepare")
-        _credit(cy, work, state)
+        _credit(cy, work, state, config.gangs_credit_first)
         # clusters fully served by their own bound machines are cacheable
         stable: set[str] = set()
         for c, _cn, _key, rows in fresh:

@@ -47,6 +47,9 @@ class EngineConfig:
     rollup_guard_confirmations: int = 3
     #: 0 = unlimited; otherwise the merged action list (P1, P2, P3) is truncated
     max_actions_per_cycle: int = 0
+    #: within one priority level, Same gangs credit their cluster's bound machines before plain
+    #: needs (prevents a plain need from taking a gang's own machines: "need swapping")
+    gangs_credit_first: bool = False
     #: compute everything, emit nothing (actions are reported as suppressed)
     paused: bool = False
     #: compute everything, emit nothing (actions are reported as dry-run)
