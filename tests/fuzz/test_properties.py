@@ -21,7 +21,7 @@ from .known_open import is_known_open
 
 needs = pytest.importorskip("bigfleet.needs")
 
-FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # --- generic: raw bytes through every harness ---------------------------------------------------
 
@@ -174,7 +174,7 @@ cr_spec = st.fixed_dictionaries(
 )
 
 
-@FAST
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(specs=st.lists(cr_spec, max_size=6))
 def test_well_formed_crs_give_a_roll_up_the_shard_accepts(specs: list[dict[str, Any]]) -> None:
     """Kubernetes-valid CapacityRequests: the operator and the shard must agree on every one."""

@@ -11,7 +11,7 @@ from bigfleet.tools import fuzz
 
 from .known_open import is_known_open
 
-EXECS = 1500
+EXECS = 1000
 
 
 @pytest.mark.parametrize("name", sorted(fuzz.TARGETS))
