@@ -72,7 +72,7 @@ def _decide(ns: list[Need], ms: list[Machine], ready: frozenset[str], cfg: Engin
     return decide(ns, Inventory(ms), NOW + 3600 * 10**9, st_, cfg or EngineConfig())
 
 
-SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @SETTINGS
@@ -190,7 +190,7 @@ def test_paused_emits_nothing_and_state_round_trips(ms: list[Machine], ns: list[
     assert EngineState.from_dict(d.state.to_dict()) == d.state
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(machines(), needs())
 def test_closed_loop_converges_without_flapping(ms: list[Machine], ns: list[Need]) -> None:
     """Apply every action as if the provider completed it instantly; the loop must settle."""
@@ -220,7 +220,7 @@ def test_closed_loop_converges_without_flapping(ms: list[Machine], ns: list[Need
         raise AssertionError(f"no fixed point after 12 cycles: {d.actions}")
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(machines(), needs(), needs(), st.randoms())
 def test_incremental_engine_matches_fresh_decide(ms: list[Machine], ns1: list[Need], ns2: list[Need],
                                                  rnd: random.Random) -> None:
