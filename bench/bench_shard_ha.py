@@ -40,11 +40,13 @@ def _q(xs: list[float], p: float) -> float:
 
 # -- 1. raw replicated Replace ------------------------------------------------------------------
 
-def _raft_member(me: str, peers: list[str], data_dir: str, lead: bool, n: int, conc: int, out: Any, stop: Any) -> None:
+def _raft_member(me: str, peers: list[str], data_dir: str, lead: bool, n: int, conc: int, out: Any, stop: Any,
+                 batch: bool = True) -> None:
     from bigfleet.shard.ha.node import ShardRaft, ShardRaftConfig
 
     async def run() -> None:
-        raft = ShardRaft(ShardRaftConfig(me, peers, Path(data_dir), PASSWORD, compaction_min_entries=50_000))
+        raft = ShardRaft(ShardRaftConfig(me, peers, Path(data_dir), PASSWORD, compaction_min_entries=50_000,
+                                               batch=batch))
         try:
             if not lead:
                 while not stop.is_set():
@@ -57,7 +59,7 @@ def _raft_member(me: str, peers: list[str], data_dir: str, lead: bool, n: int, c
                 aggregate_resources={"cpu": "4"}, min_unit={"cpu": "1"}, priority=i) for i in range(10)]
             ).SerializeToString()
             lat: list[float] = []
-            for i in range(min(n, 2000)):
+            for i in range(min(n, 500)):
                 t = time.perf_counter()
                 await raft.replace(f"c{i % 100}", data, i, epoch)
                 lat.append(time.perf_counter() - t)
@@ -78,14 +80,14 @@ def _raft_member(me: str, peers: list[str], data_dir: str, lead: bool, n: int, c
     asyncio.run(run())
 
 
-def bench_replace(n: int, conc: int) -> dict[str, float]:
+def bench_replace(n: int, conc: int, batch: bool = True) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
     dirs = [tempfile.mkdtemp(prefix="bench-ha-") for _ in addrs]
     out, stop = ctx.Queue(), ctx.Event()
     # Replica 0 measures once it is the leader; the other two only follow (they may be elected first,
     # so every member measures if it leads: simplest is to make all three eligible and let one report).
-    procs = [ctx.Process(target=_raft_member, args=(a, addrs, d, True, n, conc, out, stop)) for a, d in zip(addrs, dirs, strict=True)]
+    procs = [ctx.Process(target=_raft_member, args=(a, addrs, d, True, n, conc, out, stop, batch)) for a, d in zip(addrs, dirs, strict=True)]
     for p in procs:
         p.start()
     try:

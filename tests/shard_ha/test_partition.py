@@ -110,11 +110,11 @@ async def test_restarted_follower_catches_up_and_can_lead() -> None:
         await until(lambda: _metric_is(follower, "bigfleet_shard_ha_replaces_applied", want), 30,
                     "restarted follower applied every Replace")
         assert await follower.metric("bigfleet_shard_ha_replicated_clusters") == 1
-        await until(lambda: _redirect_ok(follower, leader), 30, "restarted follower knows the leader")
+        await until(lambda: _redirect_ok(follower, leader), 60, "restarted follower knows the leader")
         assert leader.proc is not None
         leader.proc.kill()
         new = await g.leader(timeout=30, exclude=leader)
-        await until(lambda: _needs(new, 3), 30, "demand on the new leader")
+        await until(lambda: _needs(new, 3), 60, "demand on the new leader")
         ok = True
     finally:
         await g.close(dump=not ok)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+from pathlib import Path
 
 from bigfleet.decision.types import EngineState
-from bigfleet.shard.ha.controller import restore_store
+from bigfleet.shard.ha.controller import read_epoch, restore_store, store_epoch
 from bigfleet.shard.ha.state import HAState
 from bigfleet.shard.store import LocalDemandStore
 from bigfleet.v1alpha1 import capacity_pb2
@@ -77,3 +78,19 @@ async def test_restore_builds_the_leaders_table_and_gate() -> None:
     assert store.has_rolled_up("c1") and store.has_rolled_up("c2")
     assert store.engine_state().cycle == 7 and store.engine_state().unmet_ages == {"c1/x": 3}
     await asyncio.sleep(0)
+
+
+def test_claim_respects_the_claimants_epoch_floor() -> None:
+    s = HAState()
+    assert s.claim(1, "a", "A", floor=7) == 8  # data dir came from single-replica mode at epoch 7
+    assert s.claim(2, "b", "B", floor=3) == 9  # a lower floor never lowers the epoch
+
+
+def test_epoch_file_only_moves_forward(tmp_path: Path) -> None:
+    p = tmp_path / "epoch"
+    assert read_epoch(p) == 0
+    store_epoch(p, 5)
+    store_epoch(p, 3)
+    assert read_epoch(p) == 5
+    p.write_text("garbage")
+    assert read_epoch(p) == 0

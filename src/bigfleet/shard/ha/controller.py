@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -109,6 +111,31 @@ def restore_store(store: LocalDemandStore, snap: HAState) -> int:
     return len(snap.rollups)
 
 
+def read_epoch(path: Path) -> int:
+    """The data dir's epoch file (shared format with single-replica mode); missing or corrupt = 0
+    (corrupt is logged: the replicated epoch still only moves forward)."""
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return 0
+    if not text.isdigit():
+        log.error("corrupt epoch file ignored", path=str(path))
+        return 0
+    return int(text)
+
+
+def store_epoch(path: Path, epoch: int) -> None:
+    """Record the epoch this replica leads with, atomically, never lowering the stored value."""
+    if read_epoch(path) >= epoch:
+        return
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{epoch}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def _copy_state(s: HAState) -> HAState:
     return HAState(dict(s.rollups), set(s.first_rollup), s.engine, s.engine_version, s.epoch, s.claim_term,
                    s.leader_node, s.leader_advertise, s.replaces)
@@ -142,7 +169,9 @@ class HAController:
         tls: Any = None,
         poll: float = 0.05,
         registry: CollectorRegistry | None = None,
+        epoch_file: Path | None = None,
     ) -> None:
+        self.epoch_file = epoch_file
         self.ha_metrics = HAMetrics(registry)
         self.raft = raft
         self.base_config = base_config
@@ -192,10 +221,13 @@ class HAController:
 
     async def _take_over(self) -> None:
         started = time.perf_counter()
-        epoch, term = await self.raft.claim(self.advertise)
+        floor = read_epoch(self.epoch_file) if self.epoch_file is not None else 0
+        epoch, term = await self.raft.claim(self.advertise, floor)
         if epoch == 0 or not self.raft.is_leader() or self.raft.raft_term() != term:
             log.info("claim refused or leadership moved", term=term)
             return
+        if self.epoch_file is not None:
+            await asyncio.to_thread(store_epoch, self.epoch_file, epoch)
         snap = self.raft.read(_copy_state)
         self.epoch, self.term = epoch, term
         cfg = replace(self.base_config, epoch=epoch)

@@ -38,7 +38,8 @@ async def serve_ha(settings: Any, tls: TLSConfig | None = None) -> int:
     )
     raft = ShardRaft(ShardRaftConfig(settings.raft_bind, peers, Path(settings.data_dir), password))
     ctrl = HAController(raft, daemon_config(settings, 0), metrics, health,
-                        advertise=settings.advertise or settings.listen, tls=tls, registry=registry)
+                        advertise=settings.advertise or settings.listen, tls=tls, registry=registry,
+                        epoch_file=Path(settings.data_dir) / "epoch")
     register(server, ctrl)
     try:
         port = add_port(server, settings.listen, tls)

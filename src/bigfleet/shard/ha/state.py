@@ -55,13 +55,14 @@ class HAState:
         self.engine_version = version
         return True
 
-    def claim(self, raft_term: int, node: str, advertise: str) -> int:
+    def claim(self, raft_term: int, node: str, advertise: str, floor: int = 0) -> int:
         """A new leader takes the shard: one epoch bump per Raft term. Retrying the same claim
         returns the same epoch; a claim from an older term, or a second node in the same term,
-        gets 0 (refused)."""
+        gets 0 (refused). ``floor`` is the highest epoch the claimant knows was used (its data
+        dir's epoch file), so a group built over single-replica data dirs never goes backwards."""
         if raft_term > self.claim_term:
             self.claim_term = raft_term
-            self.epoch += 1
+            self.epoch = max(self.epoch, floor) + 1
             self.leader_node = node
             self.leader_advertise = advertise
             self.engine_version = 0
