@@ -16,7 +16,7 @@ import contextlib
 import inspect
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -172,6 +172,10 @@ class HAController:
         epoch_file: Path | None = None,
     ) -> None:
         self.epoch_file = epoch_file
+        # Called with the new daemon after it started / before it stops (e.g. coordinator heartbeats,
+        # which must carry the epoch of the term that leads).
+        self.on_lead: list[Callable[[ShardDaemon], None]] = []
+        self.on_step_down: list[Callable[[], Awaitable[None]]] = []
         self.ha_metrics = HAMetrics(registry)
         self.raft = raft
         self.base_config = base_config
@@ -245,6 +249,8 @@ class HAController:
         self.takeovers += 1
         self.ha_metrics.takeovers.inc()
         await daemon.start()
+        for fn in self.on_lead:
+            fn(daemon)
         await self._set_health(True)
         log.warning("leading the shard", epoch=epoch, raft_term=term, clusters=clusters,
                     takeover_ms=round((time.perf_counter() - started) * 1000, 1))
@@ -266,6 +272,9 @@ class HAController:
         self.ha_metrics.stepdowns.labels(why).inc()
         await self._set_health(False)
         log.warning("stepping down", reason=why, epoch=self.epoch)
+        for hook in self.on_step_down:
+            with contextlib.suppress(Exception):
+                await hook()
         d.sessions.close_all(grpc.StatusCode.UNAVAILABLE, "shard replica stepped down; reconnect")
         if isinstance(d.store, ReplicatedStore):
             await d.store.close()

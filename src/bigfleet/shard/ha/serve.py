@@ -41,6 +41,7 @@ async def serve_ha(settings: Any, tls: TLSConfig | None = None) -> int:
                         advertise=settings.advertise or settings.listen, tls=tls, registry=registry,
                         epoch_file=Path(settings.data_dir) / "epoch")
     register(server, ctrl)
+    coord_client = _wire_heartbeats(settings, ctrl, tls) if settings.coordinator else None
     try:
         port = add_port(server, settings.listen, tls)
     except OSError as exc:
@@ -64,7 +65,37 @@ async def serve_ha(settings: Any, tls: TLSConfig | None = None) -> int:
     await ctrl.stop()
     await server.stop(grace=2.0)
     raft.destroy()
+    if coord_client is not None:
+        await coord_client.close()
     if metrics_server:
         metrics_server.stop()
     log.info("stopped")
     return 0
+
+
+def _wire_heartbeats(settings: Any, ctrl: HAController, tls: TLSConfig | None) -> Any:
+    """Only the leader reports to the coordinator, with its own epoch; a new loop per leadership."""
+    from bigfleet.coordinator.client import BaseInstructionHandler, CoordinatorClient, HeartbeatLoop
+    from bigfleet.shard.daemon import ShardDaemon
+
+    client = CoordinatorClient([a for a in settings.coordinator.split(",") if a.strip()], tls=tls)
+    running: list[asyncio.Task[None]] = []
+
+    def start(daemon: ShardDaemon) -> None:
+        hb = HeartbeatLoop(
+            client, settings.shard_id, daemon.build_report, BaseInstructionHandler(),
+            interval=settings.heartbeat_interval, shard_address=settings.advertise or settings.listen,
+            shard_epoch=ctrl.epoch, state_file=Path(settings.data_dir) / "coordinator-client.json",
+        )
+        daemon.term_source = hb.gate
+        running.append(asyncio.get_running_loop().create_task(hb.run(), name="coordinator-heartbeat"))
+
+    async def stop() -> None:
+        while running:
+            t = running.pop()
+            t.cancel()
+            await asyncio.gather(t, return_exceptions=True)
+
+    ctrl.on_lead.append(start)
+    ctrl.on_step_down.append(stop)
+    return client
