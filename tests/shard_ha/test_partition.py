@@ -139,3 +139,39 @@ async def _creating(g: Group) -> bool:
 
 async def _cycle_at(r: Replica, n: int) -> bool:
     return await r.cycle() >= n
+
+
+async def test_new_empty_replica_joins_through_membership_change() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from .group import PASSWORD
+
+    g = await Group(("--seed-count", "0",)).start()
+    ok = False
+    newcomer: Replica | None = None
+    try:
+        leader = await g.leader()
+        async with Operator(leader.listen, "c0") as op:
+            await op.rollup([need("1"), need("2", priority=200)])
+            await until(partial(_acked, op), 30, "roll-up ack")
+        rafts = [r.raft for r in g.replicas]
+        newcomer = Replica("r3", leader.provider, rafts)
+        admin = str(Path(sys.executable).with_name("syncobj_admin"))
+        # pysyncobj: the leader adds the node first, then the node starts with every peer listed.
+        out = await asyncio.to_thread(subprocess.run, [admin, "-conn", leader.raft, "-pass", PASSWORD,
+                                                       "-add", newcomer.raft], capture_output=True, text=True,
+                                      timeout=30)
+        assert "SUCCESS" in out.stdout, out.stdout + out.stderr
+        newcomer.peers_raft = [*rafts, newcomer.raft]
+        g.replicas.append(newcomer)
+        newcomer.start()
+        want = await until(lambda: leader.metric("bigfleet_shard_ha_replaces_applied"), 30, "leader metric")
+        await until(lambda: _metric_is(newcomer, "bigfleet_shard_ha_replaces_applied", want), 60,
+                    "the new replica holds every Replace")
+        assert await newcomer.metric("bigfleet_shard_ha_replicated_clusters") == 1
+        assert await until(partial(_redirect, newcomer.listen), 30, "redirect from the new replica") == leader.listen
+        ok = True
+    finally:
+        await g.close(dump=not ok)
