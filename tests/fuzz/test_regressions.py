@@ -35,8 +35,6 @@ def test_regression_corpus_is_not_empty() -> None:
     assert _cases(), "fuzz/regressions should hold at least the seed regressions"
 
 
-@pytest.mark.xfail(reason="coordinator area: FleetState.apply lets AttributeError escape for a restore "
-                   "command whose state is not a dict (documented: never raises)", strict=False)
 @pytest.mark.parametrize("state", [None, "x", 1, [], True])
 def test_coordinator_restore_with_junk_state_is_rejected_not_raised(state: object) -> None:
     st_mod = pytest.importorskip("bigfleet.coordinator.state")
@@ -45,8 +43,6 @@ def test_coordinator_restore_with_junk_state_is_rejected_not_raised(state: objec
     assert isinstance(res, dict) and res.get("code") != st_mod.OK
 
 
-@pytest.mark.xfail(reason="operator area: build_rollup keeps a CR whose resource name / requirement key / "
-                   "value the shard rejects, so the whole cluster roll-up is refused", strict=False)
 @pytest.mark.parametrize(
     "spec",
     [
@@ -66,9 +62,6 @@ def test_operator_roll_up_from_a_bad_cr_is_still_accepted_by_the_shard(spec: dic
     needs.rollup_from_proto(r.message, 1)  # the good CR's demand must survive the bad one
 
 
-@pytest.mark.xfail(reason="operator area: colocation_group() joins topology key and selector with a NUL "
-                   "byte, and the shard rejects control characters in CapacityNeed.group, so any CR with "
-                   "coLocation makes the shard refuse the cluster's whole roll-up", strict=False)
 def test_colocated_cr_roll_up_is_accepted_by_the_shard() -> None:
     rollup = pytest.importorskip("bigfleet.operator.rollup")
     needs = pytest.importorskip("bigfleet.needs")
@@ -78,9 +71,6 @@ def test_colocated_cr_roll_up_is_accepted_by_the_shard() -> None:
     needs.rollup_from_proto(r.message, 1)
 
 
-@pytest.mark.xfail(reason="operator area: topologySpread.maxSkew above int32 passes the CR model and then "
-                   "makes build_rollup raise ValueError from protobuf, failing the whole roll-up "
-                   "(found by atheris)", strict=False)
 def test_cr_with_huge_max_skew_is_skipped_not_fatal() -> None:
     rollup = pytest.importorskip("bigfleet.operator.rollup")
     good = {"metadata": {"name": "good", "namespace": "d"}, "spec": {"priority": 5, "resources": {"cpu": "2"}}}

@@ -91,8 +91,7 @@ def R(**kw: Any) -> capacity_pb2.NodeSelectorRequirement:
          "needs[0].spread[0].topology_key"),
         (rollup(good_need(spread=[capacity_pb2.TopologySpread(topology_key="z", when_unsatisfiable=3)])),
          "needs[0].spread[0].when_unsatisfiable"),
-        (rollup(good_need(group="g\n")), "needs[0].group"),
-        (rollup(good_need(group="g" * 254)), "needs[0].group"),
+        (rollup(good_need(group="g" * 4097)), "needs[0].group"),
     ],
 )
 def test_rejects_naming_the_field(pb: capacity_pb2.ClusterCapacityNeeds, field: str) -> None:
@@ -167,3 +166,11 @@ def test_profile_from_wire_equals_profile_built_in_code() -> None:
         PenaltyBucket.B1,
     )
     assert n.profile == built and n.fingerprint == built.fingerprint()
+
+
+def test_group_is_opaque_like_upstream_operators_send_it() -> None:
+    """Go operators build the group as topologyKey + NUL + selector text; the shard must take it as is."""
+    group = "topology.kubernetes.io/rack\x00app=train,;"
+    _cluster, needs = rollup_from_proto(rollup(good_need(group=group)), 1)
+    assert needs[0].profile.group == group
+    assert need_to_proto(needs[0]).group == group

@@ -62,7 +62,7 @@ def test_rollup_within_limits_passes() -> None:
         (cap.ClusterCapacityNeeds(needs=[need(requirements=[req("k", "v" * 64)])]), "needs[0].requirements[0].values[0]"),
         (cap.ClusterCapacityNeeds(needs=[need(aggregate_resources={"a": "1", "b": "1", "c": "1"})]), "needs[0].aggregate_resources"),
         (cap.ClusterCapacityNeeds(needs=[need(min_unit={"cpu": "1" * 100})]), "needs[0].min_unit['cpu']"),
-        (cap.ClusterCapacityNeeds(needs=[need(group="g" * 300)]), "needs[0].group"),
+        (cap.ClusterCapacityNeeds(needs=[need(group="g" * 4097)]), "needs[0].group"),
         (
             cap.ClusterCapacityNeeds(needs=[need(spread=[cap.TopologySpread(topology_key="t")] * 17)]),
             "needs[0].spread",

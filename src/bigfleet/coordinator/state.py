@@ -533,6 +533,8 @@ def _restore(st: FleetState, cmd: dict[str, Any]) -> dict[str, Any]:
     """Replace everything with a snapshot's tables (offline restore's first write)."""
     if cmd.get("incarnation") and cmd.get("incarnation") == st.incarnation:
         return {"code": OK, "already": True}  # a retried restore must not wipe later writes
+    if not isinstance(cmd.get("state"), dict):
+        return {"code": INVALID, "error": "restore: state must be an object"}
     new = FleetState.from_json(cmd["state"])
     new.term_offset = max(new.term_offset, int(cmd.get("term_offset", 0)))
     new.incarnation = str(cmd.get("incarnation", new.incarnation))

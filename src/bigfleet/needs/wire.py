@@ -24,7 +24,9 @@ from bigfleet.v1alpha1 import capacity_pb2
 
 # Bounds that keep a hostile roll-up cheap to reject. Generous next to any real cluster.
 MAX_CLUSTER_ID_LEN = 253
-MAX_GROUP_LEN = 253
+# `group` is opaque: upstream operators build it as topologyKey + "\x00" + selector text,
+# so any characters are accepted; only its length is bounded.
+MAX_GROUP_LEN = 4096
 MAX_NEEDS_PER_ROLLUP = 100_000
 MAX_REQUIREMENTS = 64
 MAX_VALUES = 1024
@@ -149,7 +151,9 @@ def _profile_from_proto(pb: capacity_pb2.CapacityNeed, field: str) -> Profile:
     if len(pb.spread) > MAX_SPREADS:
         raise ValidationError(_join(field, "spread"), f"more than {MAX_SPREADS} spread terms")
     spread = tuple(spread_from_proto(s, f"{_join(field, 'spread')}[{i}]") for i, s in enumerate(pb.spread))
-    group = _check_text(pb.group, _join(field, "group"), MAX_GROUP_LEN, allow_empty=True)
+    group = pb.group
+    if len(group) > MAX_GROUP_LEN:
+        raise ValidationError(_join(field, "group"), f"longer than {MAX_GROUP_LEN} characters")
     return Profile(
         requirements=reqs,
         spread=spread,

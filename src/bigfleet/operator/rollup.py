@@ -18,7 +18,14 @@ from typing import Any
 
 from pydantic import ValidationError as PydanticValidationError
 
-from bigfleet.needs import ValidationError, bucket_from_dollars, format_quantity, parse_quantity
+from bigfleet.needs import (
+    Resources,
+    ValidationError,
+    bucket_from_dollars,
+    format_quantity,
+    parse_quantity,
+    requirement_from_proto,
+)
 from bigfleet.operator.crds import CORE_OPERATORS, CapacityRequest, LabelSelectorSpec
 from bigfleet.v1alpha1 import capacity_pb2
 
@@ -30,6 +37,7 @@ OPERATOR_ENUM = {
     "Same": capacity_pb2.NodeSelectorRequirement.OPERATOR_SAME,
 }
 OPERATOR_NAME = {v: k for k, v in OPERATOR_ENUM.items()}
+_MAX_INT32 = (1 << 31) - 1
 
 # (key, operator name, sorted values)
 Req = tuple[str, str, tuple[str, ...]]
@@ -107,8 +115,23 @@ def map_cr(cr: CapacityRequest) -> tuple[AggKey, dict[str, int]]:
     if group:
         assert cr.spec.co_location is not None
         reqs.add((cr.spec.co_location.topology_key, "Same", ()))
-    spread = tuple(sorted({(s.topology_key, s.max_skew) for s in cr.spec.topology_spread
-                           if s.when_unsatisfiable == "DoNotSchedule"}))
+    # The shard validates a roll-up all-or-nothing: check each CR with the shard's own rules here,
+    # so one bad CR is skipped instead of making the shard refuse the cluster's whole demand.
+    for i, (k, op, vals) in enumerate(sorted(reqs)):
+        requirement_from_proto(
+            capacity_pb2.NodeSelectorRequirement(key=k, operator=OPERATOR_ENUM[op], values=list(vals)),
+            f"spec.requirements[{i}]",
+        )
+    Resources.parse(dict(cr.spec.resources), "spec.resources")
+    spread_terms = {(s.topology_key, s.max_skew) for s in cr.spec.topology_spread if s.when_unsatisfiable == "DoNotSchedule"}
+    for i, (k, skew) in enumerate(sorted(spread_terms)):
+        if not 1 <= skew <= _MAX_INT32:
+            raise ValidationError(f"spec.topologySpread[{i}].maxSkew", f"must be in 1..{_MAX_INT32}")
+        requirement_from_proto(
+            capacity_pb2.NodeSelectorRequirement(key=k, operator=capacity_pb2.NodeSelectorRequirement.OPERATOR_EXISTS),
+            f"spec.topologySpread[{i}].topologyKey",
+        )
+    spread = tuple(sorted(spread_terms))
     request: dict[str, int] = {}
     for name, q in sorted(cr.spec.resources.items()):
         milli = parse_quantity(q, f"spec.resources[{name}]")

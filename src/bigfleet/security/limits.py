@@ -43,7 +43,7 @@ class Limits:
     max_label_value_len: int = 63
     max_resource_value_len: int = 64
     max_id_len: int = 253
-    max_group_len: int = 253
+    max_group_len: int = 4096
     max_bootstrap_blob_bytes: int = 1 << 20  # cloud user-data limits are 16-256 KiB
     max_bootstrap_error_len: int = 4096
     max_request_id_len: int = 64
