@@ -85,6 +85,9 @@ class MachineView:
         self._on_node_update = on_node_update
         self._on_reject = on_reject
         self.version = 0
+        # cluster -> ids of machines whose record names it (insertion-ordered), so a Session's
+        # Hello replays its nodes without scanning the whole inventory (1 000s of Hellos x 100k machines).
+        self._by_cluster: dict[str, dict[str, None]] = {}
 
     def __len__(self) -> int:
         return len(self._pb)
@@ -130,8 +133,21 @@ class MachineView:
         self._pb[pb.id] = pb
         self._machines[pb.id] = m
         self.version += 1
+        self._index(pb.id, old.cluster if old is not None else "", pb.cluster)
         self._emit(old, pb)
         return True
+
+    def _index(self, machine_id: str, old_cluster: str, new_cluster: str) -> None:
+        if old_cluster == new_cluster:
+            return
+        if old_cluster:
+            ids = self._by_cluster.get(old_cluster)
+            if ids is not None:
+                ids.pop(machine_id, None)
+                if not ids:
+                    del self._by_cluster[old_cluster]
+        if new_cluster:
+            self._by_cluster.setdefault(new_cluster, {})[machine_id] = None
 
     def observe(self, pb: provider_pb2.Machine) -> bool:
         """A record from the provider (List/Get/ack); applied unless the executor owns the machine."""
@@ -141,7 +157,8 @@ class MachineView:
         return self.set(pb)
 
     def forget(self, machine_id: str) -> None:
-        if self._pb.pop(machine_id, None) is not None:
+        if (old := self._pb.pop(machine_id, None)) is not None:
+            self._index(machine_id, old.cluster, "")
             self._machines.pop(machine_id, None)
             self.version += 1
         self.provider_latest.pop(machine_id, None)
@@ -165,7 +182,12 @@ class MachineView:
         return pb.cluster or self.reserved_for.get(pb.id, "")
 
     def bound_to(self, cluster_id: str) -> list[provider_pb2.Machine]:
-        return [pb for pb in self._pb.values() if self.route(pb) == cluster_id]
+        """Records routed to ``cluster_id``: those naming it, then those being created for it."""
+        out = [self._pb[mid] for mid in self._by_cluster.get(cluster_id, ())]
+        for mid, cid in self.reserved_for.items():
+            if cid == cluster_id and (pb := self._pb.get(mid)) is not None and not pb.cluster:
+                out.append(pb)
+        return out
 
     def _emit(self, old: provider_pb2.Machine | None, new: provider_pb2.Machine) -> None:
         if self._on_node_update is None:
