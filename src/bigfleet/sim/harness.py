@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import grpc
+
 from bigfleet.decision.types import Configure, Create, Decision, Drain, EngineConfig
 from bigfleet.observability import new_registry
 from bigfleet.provider.fake.backend import Dwell, FaultPlan, FaultRule
@@ -256,7 +258,7 @@ class Simulator:
 
     def _disconnect(self, c: SimCluster) -> None:
         if c.session is not None:
-            c.session.close(grpc_unavailable(), "simulated partition")
+            c.session.close(grpc.StatusCode.UNAVAILABLE, "simulated partition")
             self.shard.sessions.remove(c.session)
         c.session, c.connected = None, False
 
@@ -382,7 +384,7 @@ class Simulator:
         self.checker.at_end(self.loop.time(), self.provider, self.shard.view)
         for c in self.clusters.values():
             if c.session is not None:
-                c.session.close(grpc_unavailable(), "simulation over")
+                c.session.close(grpc.StatusCode.UNAVAILABLE, "simulation over")
         await self.shard.executor.drain_all(0.0)
         await asyncio.gather(*(c.task for c in self.clusters.values() if c.task), return_exceptions=True)
         final = Counter(_state_name(int(m.state)) for m in self.provider.core.machines.values())
@@ -399,12 +401,6 @@ class Simulator:
             return self.loop.run_until_complete(self._main())
         finally:
             self.loop.close()
-
-
-def grpc_unavailable() -> Any:
-    import grpc
-
-    return grpc.StatusCode.UNAVAILABLE
 
 
 def run(scenario: Scenario, settle_cycles: int = 0) -> SimResult:
