@@ -85,7 +85,8 @@ def test_pause_and_resume_flip_actuation(fleet: Fleet) -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("shard shard-a: paused")
     assert fleet.actuation().paused is True
-    assert fleet.api(fleet.shard_http)["paused"] is True
+    # The dashboard reuses a snapshot for up to a second, then shows the change.
+    wait_until(lambda: fleet.api(fleet.shard_http)["paused"] is True, 30, what="dashboard shows paused")
     out = ctl("resume", "--shard", fleet.shard_addr, "-o", "json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["paused"] is False

@@ -28,7 +28,8 @@ class ScriptedSource:
 
 async def test_serves_page_assets_and_json() -> None:
     src = ScriptedSource()
-    srv = DashboardServer(src, "127.0.0.1:0", sample_interval=0, clock=lambda: 42.0)
+    clock = [42.0]
+    srv = DashboardServer(src, "127.0.0.1:0", sample_interval=0, clock=lambda: clock[0])
     port = await srv.start()
     base = f"http://127.0.0.1:{port}"
     try:
@@ -46,9 +47,16 @@ async def test_serves_page_assets_and_json() -> None:
             async with http.get(base + "/api/fleet") as r:
                 assert r.status == 200 and r.headers["Cache-Control"] == "no-store"
                 assert await r.json() == {"component": "shard", "id": "s1", "calls": 1, "now": 42.0}
+            clock[0] = 42.5  # within reuse_seconds: the same snapshot, no second pass
+            async with http.get(base + "/api/fleet") as r:
+                assert (await r.json())["calls"] == 1 and src.calls == 1
+            clock[0] = 43.5
+            async with http.get(base + "/api/fleet") as r:
+                assert (await r.json())["calls"] == 2
             async with http.post(base + "/api/fleet") as r:
                 assert r.status == 405  # read-only
             src.fail = True
+            clock[0] = 50.0
             async with http.get(base + "/api/fleet") as r:
                 assert r.status == 500 and "boom" in (await r.json())["error"]
             async with http.get(base + "/healthz") as r:
@@ -78,3 +86,10 @@ def test_listen_address_validation() -> None:
     for bad in ("8080", "host:", "host:x"):
         with pytest.raises(ValueError):
             split_hostport(bad)
+
+
+def test_sampler_backs_off_when_snapshots_are_expensive() -> None:
+    srv = DashboardServer(ScriptedSource(), "127.0.0.1:0", sample_interval=2.0)
+    assert srv.next_sample_delay() == 2.0
+    srv.last_cost = 0.5  # a 50k-machine shard on a slow box
+    assert srv.next_sample_delay() == 10.0

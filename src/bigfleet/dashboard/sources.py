@@ -4,18 +4,19 @@ return (including "not leader" on a coordinator follower)."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import grpc
 from google.protobuf import json_format
 
-from bigfleet.dashboard.model import ActionLog, History, Sample, ShortfallAges, needs_vs_bound, shortfall_key
-from bigfleet.v1alpha1 import coordinator_pb2, provider_pb2, shardread_pb2
+from bigfleet.dashboard.model import SUMMED, ActionLog, History, Sample, ShortfallAges, shortfall_key
+from bigfleet.machine.state import MachineState
+from bigfleet.v1alpha1 import coordinator_pb2, shardread_pb2
 
-S = provider_pb2.MachineState
-BOUND_STATES = (S.MACHINE_STATE_CONFIGURING, S.MACHINE_STATE_CONFIGURED, S.MACHINE_STATE_DRAINING)
+BOUND_RECORD_STATES = frozenset({MachineState.CONFIGURING, MachineState.CONFIGURED, MachineState.DRAINING})
 NEEDS_SHOWN = 200
 
 
@@ -122,42 +123,74 @@ class ShardSource:
             self.actions.add_cycle(rec.cycle, rec.computed_at_unix_nanos / 1e9, dec.actions, dec.suppressed,
                                    "" if dec.mode == "normal" else dec.mode)
 
+    def _satisfied(self, rec: Any) -> Callable[[str, str], bool | None]:
+        """(cluster, fingerprint) → the last cycle's verdict, from the same record ShardRead serves."""
+        if rec.decision is not None and rec.decision.verdicts:
+            sat = {(v.cluster_id, v.fingerprint): v.satisfied for v in rec.decision.verdicts}
+            return lambda c, f: sat.get((c, f))
+        rows = rec.verdict_rows
+        return lambda c, f: bool(rows[(c, f)][0]) if (c, f) in rows else None
+
     async def snapshot(self, now: float) -> dict[str, Any]:
+        """Counts come from GetInventoryCounts, the needs table from InspectNeeds (capped), per-cluster
+        sums from the same last-cycle record and machine view those read. Yields to the loop between
+        the big passes so sessions keep being served on a large shard."""
         ctx: Any = LocalContext()
         counts = await self.read.GetInventoryCounts(shardread_pb2.InventoryCountsRequest(), ctx)
-        frames = [f async for f in self.read.InspectNeeds(shardread_pb2.InspectNeedsRequest(), ctx)]
+        await asyncio.sleep(0)
+        frames = [f async for f in self.read.InspectNeeds(shardread_pb2.InspectNeedsRequest(limit=NEEDS_SHOWN), ctx)]
         header = frames[0].header
         views = [f.need for f in frames[1:]]
         sfs = await self.read.ListShortfalls(shardread_pb2.ListShortfallsRequest(), ctx)
         act = await self.admin.GetActuation(shardread_pb2.GetActuationRequest(), ctx)
-        self.observe_cycle(self.d.last)  # no-op for a cycle already recorded
+        rec = self.d.last
+        self.observe_cycle(rec)  # no-op for a cycle already recorded
         shard_id = self.d.config.shard_id
         by_state = {short_state(k): v for k, v in sorted(counts.by_state.items())}
         free = by_state.get("idle", 0) + by_state.get("speculative", 0)
         bound_total = sum(counts.bound_by_cluster.values())
-        need_maps: dict[str, list[dict[str, str]]] = {}
+        verdict = self._satisfied(rec)
+        need_sum: dict[str, dict[str, int]] = {}
         per_cluster: dict[str, dict[str, Any]] = {}
-        for v in views:
-            need_maps.setdefault(v.cluster_id, []).append(dict(v.need.aggregate_resources))
-            c = per_cluster.setdefault(v.cluster_id, {"cluster_id": v.cluster_id, "needs": 0, "satisfied": 0, "unmet": 0})
+        unmet = 0
+        for n in rec.needs:
+            cid = n.cluster_id
+            c = per_cluster.get(cid)
+            if c is None:
+                c = per_cluster[cid] = {"cluster_id": cid, "needs": 0, "satisfied": 0, "unmet": 0}
+                need_sum[cid] = {}
             c["needs"] += 1
-            c["satisfied" if v.satisfied else "unmet"] += 1
-        bound_maps: dict[str, list[dict[str, str]]] = {}
-        for m in self.d.view.all():
-            if m.state in BOUND_STATES and m.cluster:
-                res = m.allocatable.resources if m.allocatable.resources else m.resources.resources
-                bound_maps.setdefault(m.cluster, []).append(dict(res))
+            ok = verdict(cid, n.fingerprint)
+            if ok is False:
+                c["unmet"] += 1
+                unmet += 1
+            elif ok:
+                c["satisfied"] += 1
+            acc = need_sum[cid]
+            for k in SUMMED:
+                v = n.aggregate_resources.get(k)
+                if v:
+                    acc[k] = acc.get(k, 0) + v
+        await asyncio.sleep(0)
+        bound_sum: dict[str, dict[str, int]] = {}
+        for m in self.d.view.machines():
+            if m.cluster and m.state in BOUND_RECORD_STATES:
+                acc = bound_sum.setdefault(m.cluster, {})
+                res = m.shape.allocatable
+                for k in SUMMED:
+                    v = res.get(k)
+                    if v:
+                        acc[k] = acc.get(k, 0) + v
         for cid in counts.bound_by_cluster:
             per_cluster.setdefault(cid, {"cluster_id": cid, "needs": 0, "satisfied": 0, "unmet": 0})
         for c in per_cluster.values():
             c["shard_id"] = shard_id
             c["bound_machines"] = counts.bound_by_cluster.get(c["cluster_id"], 0)
             c["session"] = self.d.sessions.get(c["cluster_id"]) is not None
-        unmet = sum(1 for v in views if not v.satisfied)
         shortfalls = shortfall_rows(sfs.shortfalls, shard_id, self.ages, now)
-        self.history.add(Sample(now, counts.total, bound_total, free, len(views), unmet, len(shortfalls)))
+        self.history.add(Sample(now, counts.total, bound_total, free, len(rec.needs), unmet, len(shortfalls)))
         needs = []
-        for v in views[:NEEDS_SHOWN]:
+        for v in views:
             needs.append({
                 "cluster_id": v.cluster_id, "priority": v.need.priority, "group": v.need.group,
                 "resources": dict(v.need.aggregate_resources), "satisfied": v.satisfied,
@@ -187,7 +220,8 @@ class ShardSource:
                 "total": counts.total, "in_flight": counts.in_flight, "free": free, "bound": bound_total,
                 "by_state": by_state, "bound_by_cluster": dict(sorted(counts.bound_by_cluster.items())),
             },
-            "capacity": needs_vs_bound(need_maps, bound_maps),
+            "capacity": [{"cluster_id": cid, "need": need_sum.get(cid, {}), "bound": bound_sum.get(cid, {})}
+                         for cid in sorted(set(need_sum) | set(bound_sum))],
             "needs_total": header.total_needs,
             "needs": needs,
             "shortfalls": shortfalls,
