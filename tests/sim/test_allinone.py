@@ -65,3 +65,49 @@ def test_all_in_one_runs_a_scenario_file_with_an_operator_cut_off(tmp_path: Path
     assert m and int(m.group(1)) == 10, out
     configured = re.search(r"configured in clusters (\d+)", out)
     assert configured and int(configured.group(1)) == 3, out  # alpha 2 machines, beta 1 (back after the cut)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_all_in_one_restarts_a_daemon_that_died() -> None:
+    import os
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "bigfleet.cli.main", "all-in-one", "--clusters", "2",
+                             "--duration", "20", "--print-every", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("fleet up:"):
+                break
+        children = _children(proc.pid)
+        provider = [pid for pid, cmd in children if "fake-provider" in cmd]
+        assert len(provider) == 1, children
+        os.kill(provider[0], signal.SIGKILL)
+        out, err = proc.communicate(timeout=240)
+        out = "".join(lines) + out
+        assert proc.returncode == 0, out + err
+        assert "supervisor: provider exited; restarted it" in out, out
+        assert "daemon restarts: provider 1" in out and "result: OK" in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                out.append((int(d.name), (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out

@@ -49,6 +49,7 @@ class Fleet:
         pw.chmod(0o600)
         self.argv["provider"] = [
             "fake-provider", "--listen", self.addrs["provider"], "--seed-count", str(sp.speculative),
+            "--state-file", str(sp.workdir / "provider-state.json"),  # a restarted provider keeps its machines
             "--committed-count", str(sp.committed), "--create-delay", str(c), "--configure-delay", str(cf),
             "--drain-delay", str(dr), "--delete-delay", str(de), "--log-format", "console", "--log-level", "warning",
         ]
