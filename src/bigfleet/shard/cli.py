@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise", help="address operators dial (defaults to --listen)")
     p.add_argument("--data-dir", help="holds the epoch file")
     p.add_argument("--heartbeat-interval", type=float, help="seconds between coordinator reports")
+    p.add_argument("--ownership", choices=["exclusive", "shared"],
+                   help="exclusive: every provider machine not handed away is ours (default); shared: only "
+                        "machines adopted from another shard on the same provider")
     p.add_argument("--cycle-interval", type=float)
     p.add_argument("--min-cycle-gap", type=float)
     p.add_argument("--bootstrap-timeout", type=float)
@@ -124,6 +127,12 @@ async def serve(settings: Any, tls: TLSConfig | None = None) -> int:
     metrics = ShardMetrics(registry)
     cfg = daemon_config(settings, epoch)
     daemon = ShardDaemon(cfg, metrics, tls=tls)
+    from pathlib import Path
+
+    from bigfleet.shard.handoff import ShardHandoff
+
+    # Installed before the first reconcile: a released machine must never be re-read as ours.
+    handoff = ShardHandoff(daemon, Path(settings.data_dir), mode=settings.ownership)
     # Per-session flood control and frame size bounds (roll-ups paced, floods/oversize closed).
     session_limits = {"/bigfleet.v1alpha1.Shard/Session": SESSION_STREAM_LIMIT}
     server, health = build_server(
@@ -144,16 +153,14 @@ async def serve(settings: Any, tls: TLSConfig | None = None) -> int:
     heartbeat_task: asyncio.Task[None] | None = None
     coord_client = None
     if settings.coordinator:
-        from pathlib import Path
-
-        from bigfleet.coordinator.client import BaseInstructionHandler, CoordinatorClient, HeartbeatLoop
+        from bigfleet.coordinator.client import CoordinatorClient, HeartbeatLoop
 
         coord_client = CoordinatorClient(
             [a for a in settings.coordinator.split(",") if a.strip()],
             tls=tls,
         )
         heartbeat = HeartbeatLoop(
-            coord_client, settings.shard_id, daemon.build_report, BaseInstructionHandler(),
+            coord_client, settings.shard_id, daemon.build_report, handoff,
             interval=settings.heartbeat_interval, shard_address=settings.advertise or settings.listen,
             shard_epoch=epoch, state_file=Path(settings.data_dir) / "coordinator-client.json",
         )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, field_validator
@@ -39,6 +39,8 @@ class ShardSettings(BaseSettings):
     paused: bool = False
     heartbeat_interval: float = Field(10.0, gt=0)
     engine_fork: bool = False
+    # Which provider machines are this shard's when shards share a provider (see shard/handoff.py).
+    ownership: Literal["exclusive", "shared"] = "exclusive"
     gil_switch_interval: float = Field(0.0005, gt=0, le=0.1)
     replica_id: str = ""
     raft_bind: str = ""

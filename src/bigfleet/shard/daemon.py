@@ -115,6 +115,14 @@ class ShardDaemon:
         self._last_compute = 0.0
         self._accepted_digest: dict[str, bytes] = {}
         self._tasks: list[asyncio.Task[Any]] = []
+        # Cross-shard handoff (bigfleet.shard.handoff): which provider machines are ours (None = all),
+        # clusters/machines being handed away (no cycle decides for them, no action touches them),
+        # and where a handed-off cluster's operator should go next.
+        self.owns: Callable[[provider_pb2.Machine], bool] | None = None
+        self.owner_id = ""
+        self.frozen_clusters: set[str] = set()
+        self.frozen_machines: set[str] = set()
+        self.redirects: dict[str, str] = {}
 
     # -- wiring helpers ------------------------------------------------------------------------
 
@@ -197,9 +205,12 @@ class ShardDaemon:
         started = time.perf_counter()
         lst = await self.provider.list(b"" if full else self._cursor)
         seen: set[str] = set()
+        owns = self.owns
         for i, pb in enumerate(lst.machines):
             if i % 1000 == 999:
                 await asyncio.sleep(0)  # a big List must not hold the loop (sessions wait)
+            if owns is not None and not owns(pb):
+                continue  # another shard's machine on a shared provider (a full List forgets it below)
             seen.add(pb.id)
             self.view.observe(pb)
         if full:
@@ -231,6 +242,10 @@ class ShardDaemon:
         # Immutable inputs (Need and Machine records are frozen; the containers are copies), so the
         # engine can run on a worker thread while the loop keeps serving sessions.
         machines = list(self.view.machines())
+        if self.frozen_clusters or self.frozen_machines:  # being handed off: invisible to the engine
+            fc, fm = self.frozen_clusters, self.frozen_machines
+            snapshot = tuple(n for n in snapshot if n.cluster_id not in fc)
+            machines = [m for m in machines if m.id not in fm and m.cluster not in fc]
         busy = frozenset(self.view.inflight)
         connected = [n for n in snapshot if self.sessions.get(n.cluster_id) is not None]
         t0 = time.perf_counter()
@@ -277,7 +292,14 @@ class ShardDaemon:
         for kind, n in Counter(type(a).__name__ for a in decision.actions).items():
             self.metrics.actions.labels(kind).inc(n)
         orphans = self._orphan_creates() if decision.actions else 0
+        fc, fm = self.frozen_clusters, self.frozen_machines
         for a in decision.actions:
+            if (fc or fm) and (a.machine_id in fm or getattr(a, "cluster_id", "") in fc
+                               or (self.view.get(a.machine_id) is not None
+                                   and self.view.route(self.view.get(a.machine_id)) in fc)):  # type: ignore[arg-type]
+                # Decided before a handoff froze them: never act on a machine being handed away.
+                self.metrics.action_outcomes.labels(type(a).__name__, "frozen_handoff").inc()
+                continue
             if isinstance(a, Create) and orphans:
                 # A Create from a previous incarnation (or one we lost track of) is still running:
                 # its machine will be Idle shortly and the engine will hand it out then. Creating

@@ -63,6 +63,8 @@ class OperatorSession:
         self.closed = asyncio.Event()
         self.close_code = grpc.StatusCode.UNAVAILABLE
         self.close_reason = ""
+        # Trailing metadata sent with a non-OK close (a handoff's ``bigfleet-redirect``).
+        self.close_metadata: tuple[tuple[str, str], ...] = ()
         self._bootstrap_waiters: dict[str, asyncio.Future[BootstrapResult]] = {}
         self._reclaim_waiters: dict[str, asyncio.Future[int]] = {}
         self.pending_rollup: capacity_pb2.ClusterCapacityNeeds | None = None
@@ -205,6 +207,8 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
         self._resync = resync
         self._max_unkeyed = max_unkeyed
         self.shutting_down = False
+        # (reason, redirect address) when this shard must not serve a cluster (handed off); see handoff.py.
+        self.refuse_cluster: Callable[[str], tuple[str, str] | None] | None = None
 
     def _ack(self, echo: str) -> shard_pb2.ShardMessage:
         term, epoch = self._ack_info()
@@ -231,6 +235,11 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
                 self.registry.metrics.identity_rejected.inc()
             log.warning("session identity rejected", cluster=cluster_id, reason=denial)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, denial)
+        refused = self.refuse_cluster(cluster_id) if self.refuse_cluster is not None else None
+        if refused is not None:
+            reason, addr = refused
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason,
+                                trailing_metadata=(("bigfleet-redirect", addr),) if addr else ())
         session = OperatorSession(cluster_id, context, self._max_unkeyed)
         slog = log.bind(cluster=cluster_id, session=session.id)
         self.registry.install(session)
@@ -257,7 +266,7 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
             self.registry.remove(session)
             slog.info("session removed", reason=session.close_reason)
         if session.close_code != grpc.StatusCode.OK:
-            await context.abort(session.close_code, session.close_reason)
+            await context.abort(session.close_code, session.close_reason, trailing_metadata=session.close_metadata)
 
     async def _reader(self, session: OperatorSession) -> None:
         ctx = session.context
