@@ -141,6 +141,10 @@ def test_coordinator_dashboard_shows_what_the_api_says(browser: Any, fleet: Flee
             return page.inner_text("#tile-total"), str(fleet.counts().total)
         agree(machines)
         assert page.inner_text("#tile-clusters") == "2"
+        # Per-need sections are the shard's; a coordinator shows instance types from shard reports.
+        assert page.is_hidden("#needs") and page.is_hidden("#capacity")
+        assert page.inner_text("#inventory-key") == "instance type"
+        assert sum(int(r[1]) for r in table(page, "inventory-states")) == fleet.counts().total
         assert page.is_hidden("#error")
         assert errors == []
     finally:

@@ -113,11 +113,16 @@ function render(d) {
 
   fillTable("shards", d.shards, (s) => [s.shard_id, s.address, cell(s.status, s.status === "up" ? "" : "bad"),
     s.machines, s.free, s.clusters, s.shortfalls, s.last_heartbeat || "—"]);
-  const states = inv.by_state || inv.by_instance_type || {};
+  const coord = d.component === "coordinator";
+  for (const el of document.querySelectorAll("[data-only]")) el.hidden = el.dataset.only !== d.component;
+  $("inventory-title").textContent = coord ? "Inventory by instance type (from shard reports)" : "Inventory by state";
+  $("inventory-key").textContent = coord ? "instance type" : "state";
+  $("actions-title").textContent = coord ? "Recent transfers" : "Recent actions";
+  const states = (coord ? inv.by_instance_type : inv.by_state) || {};
   fillTable("inventory-states", Object.keys(states).sort().map((k) => [k, states[k]]), (r) => r);
   fillTable("clusters", d.clusters, (c) => [c.cluster_id, c.shard_id,
     c.bound_machines ?? "", c.needs ?? "", c.unmet ?? "",
-    c.handoff ? "handoff → " + c.handoff : (c.session === false ? "no session" : "")]);
+    c.handoff ? "handoff → " + c.handoff : (c.bound_at ? "bound " + c.bound_at : (c.session === false ? "no session" : ""))]);
   fillTable("capacity", d.capacity, (c) => [c.cluster_id, cores(c.need.cpu), cores(c.bound.cpu),
     gib(c.need.memory), gib(c.bound.memory), bar(c.bound.cpu || 0, c.need.cpu || 0)]);
   fillTable("shortfalls", d.shortfalls, (s) => [s.shard_id, s.priority, kv(s.deficit), s.requirements || "—",
@@ -128,7 +133,17 @@ function render(d) {
   fillTable("actions", d.actions, (a) => [new Date(a.t * 1000).toISOString().replace(/\.\d+Z$/, "Z"), a.cycle || "",
     a.kind, a.machine_id, a.cluster_id, a.detail]);
   chart("chart-machines", d.history, ["total", "bound", "free"]);
-  chart("chart-demand", d.history, ["needs", "unmet", "shortfalls"]);
+  // On a coordinator the second chart is clusters and shortfalls (it has no per-need verdicts).
+  const demand = coord ? [["needs", "clusters"], ["shortfalls", "shortfalls"]]
+    : [["needs", "needs"], ["unmet", "unmet"], ["shortfalls", "shortfalls"]];
+  chart("chart-demand", d.history, demand.map((k) => k[0]));
+  const cap = $("cap-demand");
+  cap.replaceChildren();
+  demand.forEach((k, i) => {
+    const key = document.createElement("span");
+    key.className = "key k" + i;
+    cap.append(key, k[1] + " ");
+  });
   document.body.dataset.loaded = String((Number(document.body.dataset.loaded) || 0) + 1);
 }
 
