@@ -147,7 +147,7 @@ def ctl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 
 @contextlib.contextmanager
-def running_fleet() -> Iterator[Fleet]:
+def running_fleet(*shard_args: str) -> Iterator[Fleet]:
     """Coordinator + provider + shard; clusters c1 (satisfiable) and c2 (short) bound via the coordinator."""
     f = Fleet(Path(tempfile.mkdtemp(prefix="bigfleet-ctl-")))
     try:
@@ -164,7 +164,7 @@ def running_fleet() -> Iterator[Fleet]:
             ["shard", "--shard-id", "shard-a", "--listen", f.shard_addr, "--provider", paddr,
              "--http-listen", f.shard_http, "--coordinator", f.coordinator, "--heartbeat-interval", "0.3",
              "--data-dir", str(f.root / "shard"), "--cycle-interval", "0.3", "--min-cycle-gap", "0.05",
-             "--reconcile-interval", "0.2", "--log-format", "console"],
+             "--reconcile-interval", "0.2", "--log-format", "console", *shard_args],
             "shard", log_dir=f.root / "logs").start()
         wait_for_health(f.shard_addr, timeout=60)
         from bigfleet.v1alpha1 import coordinator_pb2 as cpb
