@@ -3,7 +3,7 @@
 Human tables by default, ``-o json|yaml`` for scripts. Every command talks to
 the coordinator leader: ``--coordinator`` takes one or more replica addresses
 and the client follows "not leader" hints, so pointing it at any replica works.
-Exit codes: 0 ok, 1 the call failed (unreachable, refused), 2 usage / not yet built.
+Exit codes: 0 ok, 1 the call failed (unreachable, refused), 2 usage (bad flags, unknown shard or cluster).
 """
 
 from __future__ import annotations
