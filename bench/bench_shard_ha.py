@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import queue
 import shutil
 import statistics
 import tempfile
@@ -91,7 +92,14 @@ def bench_replace(n: int, conc: int, batch: bool = True) -> dict[str, float]:
     for p in procs:
         p.start()
     try:
-        res: dict[str, float] = out.get(timeout=300)
+        res: dict[str, float] | None = None
+        deadline = time.monotonic() + 300
+        while res is None:
+            try:
+                res = out.get(timeout=1)
+            except queue.Empty:
+                if time.monotonic() > deadline or not any(p.is_alive() for p in procs):
+                    raise RuntimeError("raft bench members died or timed out") from None
     finally:
         stop.set()
         for p in procs:

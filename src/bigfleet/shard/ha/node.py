@@ -66,7 +66,7 @@ class ShardRaftConfig:
     password: str
     election_min: float = 0.3
     election_max: float = 0.6
-    heartbeat_period: float = 0.05
+    heartbeat_period: float = 0.02
     leader_fallback: float = 1.0
     compaction_min_entries: int = 5_000
     compaction_min_time: float = 60.0
