@@ -19,6 +19,7 @@ from shard.spy import spy_provider, until
 
 from bigfleet.coordinator.localgroup import CoordGroup
 from bigfleet.placement.hrw import preferred
+from bigfleet.shard.handoff import OWNER_KEY
 from bigfleet.v1alpha1 import coordinator_pb2 as pb
 from bigfleet.v1alpha1 import provider_pb2
 
@@ -88,6 +89,8 @@ async def test_rebalance_moves_a_cluster_between_shards_sharing_a_provider(tmp_p
                 await until(both_bound, 90, "both clusters' machines Configured on shard A")
                 moved_ids = sorted(m.id for m in machines if m.cluster == move)
                 n_stay = sum(1 for m in machines if m.cluster == stay)
+                # Every bound machine carries its owner in shard_metadata (stamped by the fenced Configure).
+                assert {m.shard_metadata.get(OWNER_KEY) for m in machines if m.cluster} == {A}
                 configures_before = spy.per_machine("Configure")
 
                 # A second shard on the same provider, in shared mode: it sees none of A's machines.

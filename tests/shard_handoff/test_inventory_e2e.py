@@ -12,6 +12,7 @@ from shard.opsim import FakeOperator, need
 from shard.spy import spy_provider, until
 
 from bigfleet.coordinator.localgroup import CoordGroup
+from bigfleet.shard.handoff import OWNER_KEY
 from bigfleet.v1alpha1 import coordinator_pb2 as pb
 from bigfleet.v1alpha1 import provider_pb2
 
@@ -56,6 +57,7 @@ async def test_idle_machines_move_to_the_shard_with_a_shortfall(tmp_path: Path) 
 
                 await until(served, 60, "B's cluster Configured on transferred machines")
                 needy = {m.id for m in await spy.list_machines() if m.cluster == "needy"}
+                assert {m.shard_metadata.get(OWNER_KEY) for m in await spy.list_machines() if m.cluster} == {B}
                 moved = {mid for tr in transfers() if tr.kind == "inventory" and tr.phase == "done"
                          for mid in tr.machine_ids}
                 assert needy <= moved

@@ -200,6 +200,9 @@ class ShardHandoff(BaseInstructionHandler):
         daemon.owns = self.ledger.owns
         daemon.servicer.refuse_cluster = self.refusal
         daemon.owner_id = daemon.config.shard_id
+        # Bound machines carry their owner: a shard sharing the provider leaves them alone.
+        if hasattr(daemon.provider, "extra_metadata"):
+            daemon.provider.extra_metadata = {OWNER_KEY: daemon.config.shard_id}
 
     def _save(self) -> None:
         save_ledger(self.path, self.ledger)
@@ -254,7 +257,12 @@ class ShardHandoff(BaseInstructionHandler):
             released = self.ledger.release_cluster(cid, ids, msg.to_shard_id, msg.to_shard_address)
             self._save()
             self._forget(released)
-            d.store.table.remove(cid)
+            forget = getattr(d.store, "forget_cluster", None)
+            if forget is not None:
+                forget(cid)
+            else:
+                d.store.table.remove(cid)
+            d._accepted_digest.pop(cid, None)  # a later identical roll-up (after an adopt back) must apply again
             d.frozen_clusters.discard(cid)  # the ledger refuses it from now on
             d.trigger()
             log.info("cluster released", cluster=cid, to=msg.to_shard_id, machines=len(released),

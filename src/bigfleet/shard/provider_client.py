@@ -81,6 +81,8 @@ class ProviderClient:
         self.attempt_timeout = attempt_timeout
         self.max_attempts = max_attempts
         self.backoff = backoff
+        # Stamped into every Configure's shard_metadata (the handoff's owner key; empty = nothing).
+        self.extra_metadata: dict[str, str] = {}
 
     async def close(self) -> None:
         if self._channel is not None:
@@ -131,7 +133,8 @@ class ProviderClient:
             "Configure",
             lambda t: self._stub.Configure(
                 provider_pb2.ConfigureRequest(
-                    machine_id=machine_id, cluster_id=cluster_id, bootstrap_blob=blob, shard_metadata=metadata,
+                    machine_id=machine_id, cluster_id=cluster_id, bootstrap_blob=blob,
+                    shard_metadata={**metadata, **self.extra_metadata} if self.extra_metadata else metadata,
                     **self._token(),
                 ),
                 timeout=t,

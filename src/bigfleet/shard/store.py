@@ -57,6 +57,13 @@ class LocalDemandStore:
     def engine_state(self) -> EngineState:
         return self._state
 
+    def forget_cluster(self, cluster_id: str) -> None:
+        """The cluster was handed to another shard: drop its needs and per-cluster engine state and
+        close its reclaim gate again (if it ever comes back, nothing is reclaimed before its roll-up)."""
+        self._table.remove(cluster_id)
+        self._rolled_up.discard(cluster_id)
+        self._state = self._state.forget_cluster(cluster_id)
+
     def save_engine_state(self, state: EngineState) -> None:
         # Keep the gate monotonic even if an engine forgot a flag.
         for c in self._rolled_up - set(state.first_rollup):

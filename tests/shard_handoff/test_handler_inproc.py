@@ -1,0 +1,110 @@
+"""ShardHandoff driven directly against a real shard daemon (in-process, real gRPC Session server)
+and a real fake-provider process behind a recording spy: release/adopt of a cluster with the
+Session redirect, idempotent redelivery, and a cross-shard drain through the executor."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from shard.cluster import start_provider
+from shard.opsim import FakeOperator, need
+from shard.spy import SpyProvider, spy_provider, until
+
+from bigfleet.observability import new_registry
+from bigfleet.shard.cli import build_server
+from bigfleet.shard.daemon import DaemonConfig, ShardDaemon
+from bigfleet.shard.handoff import LEDGER_FILE, ShardHandoff, load_ledger
+from bigfleet.shard.metrics import ShardMetrics
+from bigfleet.v1alpha1 import coordinator_pb2 as cpb
+from bigfleet.v1alpha1 import provider_pb2, shard_pb2_grpc
+
+pytestmark = pytest.mark.slow
+S = provider_pb2.MachineState
+
+
+@contextlib.asynccontextmanager
+async def running(tmp_path: Path) -> AsyncIterator[tuple[ShardDaemon, ShardHandoff, SpyProvider, str]]:
+    prov, paddr = start_provider("--seed-count", "0", "--committed-count", "3")
+    try:
+        async with spy_provider(paddr) as (spy, spy_addr):
+            cfg = DaemonConfig(shard_id="A", provider=spy_addr, epoch=1, cycle_interval=0.2, min_cycle_gap=0.05,
+                               reconcile_interval=0.2)
+            daemon = ShardDaemon(cfg, ShardMetrics(new_registry()))
+            handoff = ShardHandoff(daemon, tmp_path)
+            server, _ = build_server()
+            shard_pb2_grpc.add_ShardServicer_to_server(daemon.servicer, server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            await daemon.start()
+            try:
+                yield daemon, handoff, spy, f"127.0.0.1:{port}"
+            finally:
+                await daemon.stop(drain_timeout=2.0)
+                await server.stop(None)
+    finally:
+        prov.stop()
+
+
+def bound(daemon: ShardDaemon, cluster: str) -> list[str]:
+    return [pb.id for pb in daemon.view.bound_to(cluster) if pb.state == S.MACHINE_STATE_CONFIGURED]
+
+
+async def trailer(op: FakeOperator, key: str) -> str:
+    md = await op._call.trailing_metadata()
+    return next((str(v) for k, v in (md or ()) if k == key), "")
+
+
+async def test_release_redirects_refuses_and_adopts_back(tmp_path: Path) -> None:
+    async with running(tmp_path) as (daemon, handoff, spy, addr):
+        async with FakeOperator(addr, "c2") as op:
+            await op.send_rollup([need("4", count=1)])
+            await until(lambda: bound(daemon, "c2"), 40, "c2 bound")
+            ids = sorted(bound(daemon, "c2"))
+            msg = cpb.ReleaseCluster(cluster_id="c2", handoff_id="h1", to_shard_id="B", to_shard_address="10.0.0.2:7780")
+            released = await handoff.release_cluster(msg)
+            assert released == ids
+            await until(lambda: op.status is not None, 20, "c2's session closed")
+            assert op.status == grpc.StatusCode.FAILED_PRECONDITION and "10.0.0.2:7780" in op.details
+            assert await trailer(op, "bigfleet-redirect") == "10.0.0.2:7780"
+        assert await handoff.release_cluster(msg) == ids  # redelivery: same answer, nothing redone
+        assert all(daemon.view.get(i) is None for i in ids)
+        assert load_ledger(tmp_path / LEDGER_FILE, "A", "exclusive").released_clusters["c2"]["machines"] == ids
+        configures = spy.per_machine("Configure")
+        await until(lambda: daemon.cycles >= 10, 30, "more cycles")
+        await daemon.reconcile(full=True)
+        assert all(daemon.view.get(i) is None for i in ids)  # a full List does not bring them back
+        async with FakeOperator(addr, "c2") as again:
+            await until(lambda: again.status is not None, 20, "refusal")
+            assert again.status == grpc.StatusCode.FAILED_PRECONDITION
+        # The coordinator hands them back (a failed adopt elsewhere): served again, untouched.
+        await handoff.adopt_cluster(cpb.AdoptCluster(cluster_id="c2", handoff_id="h1", machine_ids=ids))
+        async with FakeOperator(addr, "c2") as back:
+            await back.send_rollup([need("4", count=1)])
+            await until(lambda: back.acks("rollup"), 20, "c2 served again")
+            await until(lambda: sorted(bound(daemon, "c2")) == ids, 20, "c2's machines back")
+        assert spy.per_machine("Configure") == configures, [(n, getattr(r, "machine_id", getattr(r, "id", ""))) for n, r in spy.calls if n != "List"]
+        assert not spy.of("Drain")
+
+
+async def test_cross_shard_drain_drains_lowest_score_and_releases(tmp_path: Path) -> None:
+    async with running(tmp_path) as (daemon, handoff, spy, addr), FakeOperator(addr, "low") as op:
+        await op.send_rollup([need("4", count=1, priority=10)])
+        await until(lambda: bound(daemon, "low"), 40, "low bound")
+        victim = bound(daemon, "low")[0]
+        msg = cpb.CrossShardDrain(preemptor_priority=1000, to_shard_id="B", transfer_id="t9",
+                                  deficit=provider_pb2.Resources(resources={"cpu": "1"}))
+        got = await handoff.cross_shard_drain(msg)
+        assert got == [victim]
+        assert [n for r in op.reclaims() for n in r.nodes]  # the operator was asked to move its pods
+        assert spy.per_machine("Drain") == {victim: 1}
+        assert daemon.view.get(victim) is None
+        assert await handoff.cross_shard_drain(msg) == [victim]  # redelivery
+        drains = len(spy.of("Drain"))
+        # The cluster still wants capacity: another machine, never the released one.
+        await until(lambda: [m for m in bound(daemon, "low") if m != victim], 40, "low re-served elsewhere")
+        assert victim not in {r.machine_id for r in spy.of("Configure")[1:]}
+        assert len(spy.of("Drain")) == drains
