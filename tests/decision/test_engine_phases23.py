@@ -482,8 +482,8 @@ def test_gangs_credit_first_prevents_need_swapping() -> None:
                    price=1.0, ctype=OD) for i in range(2)]
     ms += [machine(f"i{i}", zone="rack-c") for i in range(3)]
     st = EngineState(first_rollup=frozenset({"ml"}), same_domains={f"ml\x00train\x00{gang.fingerprint}": "rack-b"})
-    fixed = run([web, gang], ms, state=st, config=EngineConfig(gangs_credit_first=True, reclaim_cap_fraction=0))
-    assert fixed.actions == ()
+    fixed = run([web, gang], ms, state=st, config=EngineConfig(reclaim_cap_fraction=0))
+    assert fixed.actions == ()  # the default keeps each gang's own machines with it
     # without it the plain need (earlier arrival) credits the gang's cheaper machines first
-    swapped = run([web, gang], ms, state=st, config=EngineConfig(reclaim_cap_fraction=0))
+    swapped = run([web, gang], ms, state=st, config=EngineConfig(gangs_credit_first=False, reclaim_cap_fraction=0))
     assert swapped.actions != ()

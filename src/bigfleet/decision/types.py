@@ -49,7 +49,7 @@ class EngineConfig:
     max_actions_per_cycle: int = 0
     #: within one priority level, Same gangs credit their cluster's bound machines before plain
     #: needs (prevents a plain need from taking a gang's own machines: "need swapping")
-    gangs_credit_first: bool = False
+    gangs_credit_first: bool = True
     #: compute everything, emit nothing (actions are reported as suppressed)
     paused: bool = False
     #: compute everything, emit nothing (actions are reported as dry-run)

@@ -237,20 +237,19 @@ def _training_topology() -> Scenario:
 
 
 def _gang_beside_service() -> Scenario:
-    """A service and a rack gang in one cluster (a known engine issue: the service's need is credited
-    with the gang's freshly configured machines, the gang re-acquires on another rack, and Phase 3
-    then reclaims the service's machines: 7 bound for 5 needed, and needless drains)."""
+    """A service and a rack gang in one cluster. Guards against need swapping: the service's need must
+    not be credited with the gang's machines (which made the gang re-acquire on another rack and
+    Phase 3 reclaim the service's machines: 7 bound for 5 needed, and needless drains)."""
     return Scenario("gang-beside-service", cycles=60, committed=24, speculative=4, clusters={
         "ml": (Workload("web", pods=8, cpu=1.0, priority=1000),
                Workload("train", pods=3, cpu=7.5, priority=1000, gang_rack=True, start=10, duration=30)),
     })
 
 
-#: built-in scenarios known to break an invariant because of an open engine issue (tests xfail them strictly)
-KNOWN_ISSUES: dict[str, str] = {
-    "gang-beside-service": "engine credits a Configured machine stamped for a gang to a sibling need of the same "
-                           "cluster, so the gang re-acquires elsewhere and Phase 3 reclaims (need swapping)",
-}
+# Scenarios that still break an invariant, with why (pinned as strict xfails in tests/sim).
+# Empty: "gang-beside-service" (need swapping between a gang and a sibling need) was fixed by the
+# engine crediting gangs first within a priority level (EngineConfig.gangs_credit_first).
+KNOWN_ISSUES: dict[str, str] = {}
 
 BUILTIN: dict[str, Any] = {
     "capacity-stockout": _stockout,
