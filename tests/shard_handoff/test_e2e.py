@@ -9,6 +9,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -102,6 +103,7 @@ async def test_rebalance_moves_a_cluster_between_shards_sharing_a_provider(tmp_p
                 plan = ctl(g.addresses, "rebalance", "--plan")
                 assert isinstance(plan, dict)
                 assert [(m["cluster_id"], m["from"], m["to"]) for m in plan["moves"]] == [(move, A, B)], plan
+                t_apply = time.monotonic()
                 applied = ctl(g.addresses, "rebalance", "--apply", "--plan-id", plan["plan_id"])
                 assert isinstance(applied, dict) and len(applied["started"]) == 1
 
@@ -109,12 +111,14 @@ async def test_rebalance_moves_a_cluster_between_shards_sharing_a_provider(tmp_p
                 await until(lambda: op_move.status is not None, 60, "the moved cluster's session closed by A")
                 assert op_move.status == grpc.StatusCode.FAILED_PRECONDITION, op_move.details
                 assert (await trailers(op_move)).get("bigfleet-redirect") == b.addr
+                t_redirect = time.monotonic()
 
                 def handed_off() -> bool:
                     r = g.call(0, "LookupCluster", pb.LookupClusterRequest(cluster_id=move))
                     return r.shard_id == B  # type: ignore[attr-defined,no-any-return]
 
                 await until(handed_off, 60, "the coordinator binding the moved cluster to B")
+                t_bound = time.monotonic()
             finally:
                 await op_move.close()
 
@@ -130,6 +134,10 @@ async def test_rebalance_moves_a_cluster_between_shards_sharing_a_provider(tmp_p
                 await until(lambda: op_b.acks("rollup"), 30, "B accepting the moved cluster's roll-up")
                 await until(lambda: {m for m, s in op_b.latest_node_states().items() if s == CONFIGURED} == set(moved_ids),
                             30, "B replaying the moved machines as Configured")
+                t_served = time.monotonic()
+                print(f"handoff timing (heartbeat 0.3 s): apply->redirect {t_redirect - t_apply:.2f}s, "
+                      f"apply->bound to B {t_bound - t_apply:.2f}s, apply->served by B {t_served - t_apply:.2f}s "
+                      f"({len(moved_ids)} machines)")
                 await b.wait_cycles(5)
                 cnt_b = await b.counts(move)
                 assert cnt_b.bound_by_cluster.get(move, 0) == len(moved_ids)

@@ -27,6 +27,9 @@ ZONE = "topology.kubernetes.io/zone"
 def rec(mid: str, state: int = S.MACHINE_STATE_IDLE, zone: str = "a", cpu: str = "4", cluster: str = "",
         priority: int = 0, penalty: float = 0.0, owner: str = "", price: float = 1.0) -> provider_pb2.Machine:
     md: dict[str, str] = {}
+    if owner:  # the owner mark exists only on bound machines (cleared with the binding)
+        cluster = cluster or "k"
+        state = S.MACHINE_STATE_CONFIGURED
     if cluster:
         md.update(encode_shard_metadata(Assignment(priority, penalty, 0.0, "fp", "")))
     if owner:

@@ -68,6 +68,8 @@ class OwnershipLedger:
             return False
         if pb.id in self.adopted:
             return True
+        if not pb.cluster:  # the provider clears shard_metadata with the binding: no owner mark to read
+            return self.mode == EXCLUSIVE
         owner = pb.shard_metadata.get(OWNER_KEY, "")
         if owner:
             return owner == self.shard_id
