@@ -244,6 +244,9 @@ class ShardHandoff(BaseInstructionHandler):
             if prev is not None:
                 return list(prev.get("machines", []))
             d = self.daemon
+            # Right after a restart the view is empty until the first List: releasing then would hand
+            # over nothing and strand the cluster's machines here.
+            await asyncio.wait_for(d.reconciled.wait(), self.settle_timeout)
             d.frozen_clusters.add(cid)  # from here no cycle decides for it, no action reaches its machines
             d.redirects[cid] = msg.to_shard_address
             ids = {pb.id for pb in d.view.bound_to(cid)}
@@ -253,11 +256,22 @@ class ShardHandoff(BaseInstructionHandler):
             if s is not None:
                 s.close_metadata = ((REDIRECT_METADATA_KEY, addr),) if addr else ()
                 s.close(grpc.StatusCode.FAILED_PRECONDITION, reason)
-            await self._settle(ids)
-            ids |= {pb.id for pb in d.view.bound_to(cid)}  # anything a racing cycle bound meanwhile
-            await self._settle(ids)
-            released = self.ledger.release_cluster(cid, ids, msg.to_shard_id, msg.to_shard_address)
-            self._save()
+            try:
+                await self._settle(ids)
+                ids |= {pb.id for pb in d.view.bound_to(cid)}  # anything a racing cycle bound meanwhile
+                await self._settle(ids)
+                released = self.ledger.release_cluster(cid, ids, msg.to_shard_id, msg.to_shard_address)
+                self._save()
+            except BaseException:
+                # Not released (the ack says FAILED; the coordinator aborts and the binding stays
+                # here): serve the cluster again when its operator reconnects.
+                self.ledger.released_clusters.pop(cid, None)
+                for mid in ids:
+                    self.ledger.released.pop(mid, None)
+                d.frozen_clusters.discard(cid)
+                d.frozen_machines.difference_update(ids)
+                d.redirects.pop(cid, None)
+                raise
             self._forget(released)
             forget = getattr(d.store, "forget_cluster", None)
             if forget is not None:
@@ -306,6 +320,7 @@ class ShardHandoff(BaseInstructionHandler):
             if again:
                 return again
             d = self.daemon
+            await asyncio.wait_for(d.reconciled.wait(), self.settle_timeout)
             ids = pick_donations(d.view.machines(), set(d.view.inflight) | d.frozen_machines, msg.requirements,
                                  _deficit(msg.deficit))
             self.ledger.release(ids, key)
@@ -327,12 +342,14 @@ class ShardHandoff(BaseInstructionHandler):
         if again:
             return again
         d = self.daemon
+        await asyncio.wait_for(d.reconciled.wait(), self.settle_timeout)
         if msg.machine_ids:
             ids = [m for m in msg.machine_ids if d.view.get(m) is not None]
         else:
             ids = pick_drain_victims(d.view.machines(), set(d.view.inflight) | d.frozen_machines,
                                      msg.preemptor_priority, msg.requirements, _deficit(msg.deficit))
-        d.frozen_machines.update(ids)  # the engine neither re-uses nor re-drains them meanwhile
+        victims = list(ids)
+        d.frozen_machines.update(victims)  # the engine neither re-uses nor re-drains them meanwhile
         try:
             for mid in ids:
                 m = d.view.machine(mid)
@@ -340,20 +357,22 @@ class ShardHandoff(BaseInstructionHandler):
                     d.executor.submit_drain(mid, 30, msg.preemptor_priority, "preempt")
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.drain_timeout
+            settled = (MachineState.IDLE, MachineState.FAILED)
             while True:
                 states = [d.view.machine(mid) for mid in ids]
-                if all(m is None or (m.state is MachineState.IDLE and m.id not in d.view.inflight) for m in states):
+                if all(m is None or (m.state in settled and m.id not in d.view.inflight) for m in states):
                     break
                 if loop.time() > deadline:
                     raise TimeoutError("cross-shard drain: victims did not drain in time")
                 await asyncio.sleep(0.1)
-            ids = [mid for mid in ids if d.view.machine(mid) is not None]
+            # Only drained (Idle) machines travel; a victim whose drain failed stays here, FAILED.
+            ids = [mid for mid in ids if (m := d.view.machine(mid)) is not None and m.state is MachineState.IDLE]
             async with self._lock:
                 self.ledger.release(ids, key)
                 self._save()
                 self._forget(ids)
         finally:
-            d.frozen_machines.difference_update(ids)
+            d.frozen_machines.difference_update(victims)
             d.trigger()
         log.info("cross-shard drain released", transfer=msg.transfer_id, to=msg.to_shard_id, machines=len(ids))
         return ids
