@@ -1,4 +1,4 @@
-"""A real cluster handoff: coordinator (1 replica) + two shard processes sharing one fake provider
+"""A real cluster handoff: coordinator (3 Raft replicas) + two shard processes sharing one fake provider
 (behind a recording spy) + operator stand-ins. ``bigfleetctl rebalance --plan/--apply`` moves one
 cluster; the old shard stops acting for it and redirects its operator, the new shard serves it on
 the same Configured machines, and no machine ever sees lifecycle calls from both shards."""
@@ -53,7 +53,7 @@ def shard_args(sid: str, coord: list[str], *extra: str) -> tuple[str, ...]:
 
 async def test_rebalance_moves_a_cluster_between_shards_sharing_a_provider(tmp_path: Path) -> None:
     move, stay = pick(B), pick(A)
-    g = CoordGroup(tmp_path / "coord", 1, extra=("--rebalance-interval", "0"))
+    g = CoordGroup(tmp_path / "coord", 3, extra=("--rebalance-interval", "0"))
     g.start_all()
     prov, paddr = start_provider("--seed-count", "8")
     a = b = None
@@ -62,11 +62,11 @@ async def test_rebalance_moves_a_cluster_between_shards_sharing_a_provider(tmp_p
             a = await ShardProc(spy_addr, extra=shard_args(A, g.addresses)).start()
 
             def shards() -> dict[str, str]:
-                return {s.shard_id: s.address for s in g.call(0, "ListShards", pb.ListShardsRequest()).shards}  # type: ignore[attr-defined]
+                return {s.shard_id: s.address for s in g.call(g.leader(), "ListShards", pb.ListShardsRequest()).shards}  # type: ignore[attr-defined]
 
             await until(lambda: A in shards(), 60, "shard A registered")
             for c in (move, stay):
-                r = g.call(0, "LookupCluster", pb.LookupClusterRequest(cluster_id=c))
+                r = g.call(g.leader(), "LookupCluster", pb.LookupClusterRequest(cluster_id=c))
                 assert r.shard_id == A  # type: ignore[attr-defined]
 
             op_move = await FakeOperator(a.addr, move).__aenter__()
@@ -114,7 +114,7 @@ async def test_rebalance_moves_a_cluster_between_shards_sharing_a_provider(tmp_p
                 t_redirect = time.monotonic()
 
                 def handed_off() -> bool:
-                    r = g.call(0, "LookupCluster", pb.LookupClusterRequest(cluster_id=move))
+                    r = g.call(g.leader(), "LookupCluster", pb.LookupClusterRequest(cluster_id=move))
                     return r.shard_id == B  # type: ignore[attr-defined,no-any-return]
 
                 await until(handed_off, 60, "the coordinator binding the moved cluster to B")
