@@ -108,3 +108,25 @@ async def test_cross_shard_drain_drains_lowest_score_and_releases(tmp_path: Path
         await until(lambda: [m for m in bound(daemon, "low") if m != victim], 40, "low re-served elsewhere")
         assert victim not in {r.machine_id for r in spy.of("Configure")[1:]}
         assert len(spy.of("Drain")) == drains
+
+
+async def test_release_that_cannot_settle_fails_and_keeps_serving(tmp_path: Path) -> None:
+    async with running(tmp_path) as (daemon, handoff, _spy, addr):
+        async with FakeOperator(addr, "c3") as op:
+            await op.send_rollup([need("4", count=1)])
+            await until(lambda: bound(daemon, "c3"), 40, "c3 bound")
+            ids = bound(daemon, "c3")
+            daemon.view.inflight[ids[0]] = "held-by-test"  # a provider call that does not settle
+            handoff.settle_timeout = 0.3
+            with pytest.raises(TimeoutError):
+                await handoff.release_cluster(cpb.ReleaseCluster(cluster_id="c3", to_shard_id="B",
+                                                                 to_shard_address="10.0.0.2:7780"))
+            del daemon.view.inflight[ids[0]]
+        assert "c3" not in daemon.frozen_clusters and not daemon.frozen_machines
+        assert not handoff.ledger.cluster_released("c3") and not handoff.ledger.released
+        assert not (tmp_path / LEDGER_FILE).exists() or not load_ledger(tmp_path / LEDGER_FILE, "A", "exclusive").released
+        async with FakeOperator(addr, "c3") as back:  # still served here (the coordinator aborted the move)
+            await back.send_rollup([need("4", count=1)])
+            await until(lambda: back.acks("rollup"), 20, "c3 served again")
+            assert back.status is None
+        assert sorted(bound(daemon, "c3")) == sorted(ids) and daemon.view.get(ids[0]) is not None
