@@ -96,7 +96,7 @@ async def test_rebalance_moves_a_cluster_between_shards_sharing_a_provider(tmp_p
 
                 # A second shard on the same provider, in shared mode: it sees none of A's machines.
                 b = await ShardProc(spy_addr, extra=shard_args(B, g.addresses, "--ownership", "shared")).start()
-                await until(lambda: shards().get(B) == b.addr, 60, "shard B registered")
+                await until(lambda: shards().get(B) == b.addr, 60, "shard B registered")  # type: ignore[union-attr]
                 await b.wait_cycles(2)
                 assert sum((await b.counts()).by_state.values()) == 0
 
@@ -159,6 +159,16 @@ async def test_rebalance_moves_a_cluster_between_shards_sharing_a_provider(tmp_p
             await a.wait_cycles(3)
             cnt_a = await a.counts()
             assert move not in cnt_a.bound_by_cluster and cnt_a.bound_by_cluster.get(stay) == n_stay
+
+            # A restart of B (shared ownership) keeps the adopted machines: its ledger names them.
+            assert b.proc is not None
+            b.proc.stop()
+            b.proc = None
+            b = await ShardProc(spy_addr, data_dir=b.data_dir, addr=b.addr,
+                                extra=shard_args(B, g.addresses, "--ownership", "shared")).start()
+            await b.wait_cycles(3)
+            assert (await b.counts()).bound_by_cluster.get(move) == len(moved_ids)
+            assert sum((await b.counts()).by_state.values()) == len(moved_ids)
 
             # Over the whole run, no machine got lifecycle calls from both shards.
             by_machine: dict[str, set[str]] = {}
