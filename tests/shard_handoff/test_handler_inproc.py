@@ -86,6 +86,9 @@ async def test_release_redirects_refuses_and_adopts_back(tmp_path: Path) -> None
             await back.send_rollup([need("4", count=1)])
             await until(lambda: back.acks("rollup"), 20, "c2 served again")
             await until(lambda: sorted(bound(daemon, "c2")) == ids, 20, "c2's machines back")
+        assert daemon.metrics.handoff_machines.labels("released", "cluster")._value.get() == len(ids)
+        assert daemon.metrics.handoff_machines.labels("adopted", "cluster")._value.get() == len(ids)
+        assert daemon.metrics.handoff_sessions_refused._value.get() >= 1
         assert spy.per_machine("Configure") == configures, [(n, getattr(r, "machine_id", getattr(r, "id", ""))) for n, r in spy.calls if n != "List"]
         assert not spy.of("Drain")
 

@@ -214,8 +214,19 @@ class ShardHandoff(BaseInstructionHandler):
         if cluster_id in self.daemon.frozen_clusters or self.ledger.cluster_released(cluster_id):
             addr = self.ledger.redirect_for(cluster_id) or self.daemon.redirects.get(cluster_id, "")
             where = f"; now served at {addr}" if addr else "; look it up again"
+            self._count_refusal()
             return f"cluster {cluster_id} was handed off to another shard{where}", addr
         return None
+
+    def _count_refusal(self) -> None:
+        m = getattr(self.daemon.metrics, "handoff_sessions_refused", None)
+        if m is not None:
+            m.inc()
+
+    def _count(self, direction: str, kind: str, n: int) -> None:
+        m = getattr(self.daemon.metrics, "handoff_machines", None)
+        if m is not None and n:
+            m.labels(direction, kind).inc(n)
 
     async def _settle(self, ids: set[str]) -> None:
         """Wait for provider calls in flight on ``ids`` to finish (each ends stable or FAILED)."""
@@ -251,7 +262,8 @@ class ShardHandoff(BaseInstructionHandler):
             d.redirects[cid] = msg.to_shard_address
             ids = {pb.id for pb in d.view.bound_to(cid)}
             d.frozen_machines.update(ids)
-            reason, addr = self.refusal(cid) or ("handed off", "")
+            addr = msg.to_shard_address
+            reason = f"cluster {cid} was handed off to another shard" + (f"; now served at {addr}" if addr else "")
             s = d.sessions.get(cid)
             if s is not None:
                 s.close_metadata = ((REDIRECT_METADATA_KEY, addr),) if addr else ()
@@ -281,6 +293,7 @@ class ShardHandoff(BaseInstructionHandler):
             d._accepted_digest.pop(cid, None)  # a later identical roll-up (after an adopt back) must apply again
             d.frozen_clusters.discard(cid)  # the ledger refuses it from now on
             d.trigger()
+            self._count("released", "cluster", len(released))
             log.info("cluster released", cluster=cid, to=msg.to_shard_id, machines=len(released),
                      handoff=msg.handoff_id)
             return released
@@ -309,6 +322,7 @@ class ShardHandoff(BaseInstructionHandler):
             self.daemon.frozen_clusters.discard(msg.cluster_id)
             self.daemon.redirects.pop(msg.cluster_id, None)
             self.daemon.trigger()
+            self._count("adopted", "cluster", len(got))
             log.info("cluster adopted", cluster=msg.cluster_id, machines=len(got), of=len(msg.machine_ids),
                      handoff=msg.handoff_id)
 
@@ -327,6 +341,7 @@ class ShardHandoff(BaseInstructionHandler):
             self._save()
             self._forget(ids)
             d.trigger()
+            self._count("released", "inventory", len(ids))
             log.info("inventory released", transfer=msg.transfer_id, to=msg.to_shard_id, machines=len(ids))
             return ids
 
@@ -334,6 +349,7 @@ class ShardHandoff(BaseInstructionHandler):
         async with self._lock:
             got = await self._adopt(list(msg.machine_ids))
             self.daemon.trigger()
+            self._count("adopted", "inventory", len(got))
             log.info("inventory adopted", transfer=msg.transfer_id, frm=msg.from_shard_id, machines=len(got))
 
     async def cross_shard_drain(self, msg: coordinator_pb2.CrossShardDrain) -> list[str]:
@@ -374,5 +390,6 @@ class ShardHandoff(BaseInstructionHandler):
         finally:
             d.frozen_machines.difference_update(victims)
             d.trigger()
+        self._count("released", "drain", len(ids))
         log.info("cross-shard drain released", transfer=msg.transfer_id, to=msg.to_shard_id, machines=len(ids))
         return ids

@@ -69,3 +69,12 @@ class ShardMetrics:
         self.bootstrap_duration = Histogram(
             "bigfleet_shard_request_bootstrap_seconds", "Bootstrap pull round trip", buckets=_exp(0.01, 2, 16), registry=r
         )
+        # Cross-shard handoff (shard/handoff.py).
+        self.handoff_machines = Counter(
+            "bigfleet_shard_handoff_machines_total", "Machines released to or adopted from other shards",
+            ["direction", "kind"], registry=r,
+        )
+        self.handoff_sessions_refused = Counter(
+            "bigfleet_shard_handoff_sessions_refused_total", "Sessions refused: the cluster was handed to another shard",
+            registry=r,
+        )
