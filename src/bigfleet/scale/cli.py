@@ -297,6 +297,7 @@ def report(args: argparse.Namespace, shards: list[ShardProc], results: list[dict
         "rollup_to_first_bind_p50_s": stats.quantile(first_bind, 0.5),
         "rollup_to_first_bind_p99_s": stats.quantile(first_bind, 0.99),
         "session_reconnects": sum(r["reconnects"] for r in results),
+        "session_open_retries": sum(r.get("open_retries", 0) for r in results),
         "loadgen_errors": [e for r in results for e in r["errors"]][:10],
         "bootstraps_answered": sum(r["bootstraps"] for r in results),
         "shards": {},

@@ -59,6 +59,7 @@ class Stats:
     bootstraps: int = 0
     reclaims: int = 0
     reconnects: int = 0
+    open_retries: int = 0
     errors: list[str] = field(default_factory=list)
     per_shard: dict[str, int] = field(default_factory=dict)
 
@@ -74,12 +75,13 @@ class Operator:
         self.out: asyncio.Queue[shard_pb2.OperatorMessage] = asyncio.Queue()
         self.rnd = random.Random(index)
         self.variant = 0
+        self.ever_ready = False
 
     def _in_window(self, t: float) -> bool:
         return len(self.window) == 2 and self.window[0] <= t <= self.window[1]
 
-    async def run(self, go: asyncio.Event) -> None:
-        while True:
+    async def run(self, go: asyncio.Event, stopping: asyncio.Event) -> None:
+        while not stopping.is_set():
             call = self.stub.Session()
             writer = asyncio.create_task(self._write(call))
             roller = asyncio.create_task(self._roll(go))
@@ -92,6 +94,13 @@ class Operator:
             except asyncio.CancelledError:
                 raise
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+                if stopping.is_set():
+                    return  # our own cancellation surfacing as CANCELLED: not a reconnect
+                if not self.ever_ready:
+                    # the stream never reached the shard (client-side CANCELLED under an opening burst)
+                    self.stats.open_retries += 1
+                    await asyncio.sleep(0.5 + self.rnd.random())
+                    continue
                 if len(self.stats.errors) < 20:
                     self.stats.errors.append(f"{self.cid}: {exc!r}"[:300])
                 self.stats.reconnects += 1
@@ -139,6 +148,7 @@ class Operator:
         if kind == "ack":
             if msg.ack.echo == "hello":
                 self.ready.set()
+                self.ever_ready = True
             elif msg.ack.echo == "rollup" and self.pending:
                 t0 = self.pending.popleft()
                 self.stats.acked += 1
@@ -206,6 +216,7 @@ async def run(job: Job) -> dict[str, Any]:
         channels[a] = [insecure_channel(a, [("grpc.use_local_subchannel_pool", 1)]) for _ in range(job.channels)]
     window: list[float] = []
     go = asyncio.Event()
+    stopping = asyncio.Event()
     ops = []
     for k, i in enumerate(job.clusters):
         chs = channels[addrs[i]]
@@ -213,7 +224,7 @@ async def run(job: Job) -> dict[str, Any]:
         stats.per_shard[addrs[i]] = stats.per_shard.get(addrs[i], 0) + 1
     tasks = []
     for k, op in enumerate(ops):
-        tasks.append(asyncio.create_task(op.run(go)))
+        tasks.append(asyncio.create_task(op.run(go, stopping)))
         if k % 200 == 199:
             await asyncio.sleep(0.02)  # do not open thousands of streams in one burst
     deadline = time.monotonic() + job.open_timeout
@@ -223,12 +234,14 @@ async def run(job: Job) -> dict[str, Any]:
     print(f"READY {sum(op.ready.is_set() for op in ops)}", flush=True)
     line = (await _readline()).split()
     if not line or line[0] != "GO":
+        stopping.set()
         for t in tasks:
             t.cancel()
         return {"aborted": True}
     window.extend([float(line[1]), float(line[2])])
     go.set()
     await asyncio.sleep(max(0.0, window[1] - time.time()) + 1.0)  # +1 s for the last acks
+    stopping.set()
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -239,7 +252,7 @@ async def run(job: Job) -> dict[str, Any]:
         "sessions": len(ops), "open_seconds": open_s, "lookup_seconds": lookup_s,
         "ack": stats.ack, "first_bind": stats.first_bind, "sent": stats.sent, "acked": stats.acked,
         "node_updates": stats.node_updates, "bootstraps": stats.bootstraps, "reclaims": stats.reclaims,
-        "reconnects": stats.reconnects, "errors": stats.errors, "per_shard": stats.per_shard,
+        "reconnects": stats.reconnects, "open_retries": stats.open_retries, "errors": stats.errors, "per_shard": stats.per_shard,
     }
 
 
