@@ -20,7 +20,10 @@ from typing import Any
 
 import grpc
 
-from bigfleet.decision import decide  # imported up front: a forked child must not need the import lock
+from bigfleet.decision import (  # imported up front: a forked child must not need the import lock
+    Engine,
+    decide,
+)
 from bigfleet.decision.types import Configure, Create, Decision, Delete, Drain, EngineConfig
 from bigfleet.machine import MachineState
 from bigfleet.needs import Need, ValidationError, requirement_to_proto, rollup_from_proto
@@ -113,6 +116,10 @@ class ShardDaemon:
         self._reconciles = 0
         self._last_reconcile = 0.0
         self._last_compute = 0.0
+        # One long-lived engine: it keeps its machine index and per-cluster results between cycles, so
+        # a steady cycle costs what changed (its output is identical to a fresh decide()). Used by one
+        # cycle at a time (never concurrently); a forked child gets a fresh decide() instead.
+        self.engine = Engine()
         self._accepted_digest: dict[str, bytes] = {}
         self._tasks: list[asyncio.Task[Any]] = []
         # Cross-shard handoff (bigfleet.shard.handoff): which provider machines are ours (None = all),
@@ -251,14 +258,16 @@ class ShardDaemon:
         t0 = time.perf_counter()
         rows: dict[tuple[str, str], tuple[Any, ...]] = {}
         if self.config.compute_inline:
-            decision, hints = _compute(snapshot, machines, busy, connected, now, self.store.engine_state(), engine_cfg)
+            decision, hints = _compute(
+                snapshot, machines, busy, connected, now, self.store.engine_state(), engine_cfg, self.engine
+            )
         elif self.config.compute_fork:
             decision, hints, rows = await _compute_forked(
                 snapshot, machines, busy, connected, now, self.store.engine_state(), engine_cfg
             )
         else:
             decision, hints = await asyncio.to_thread(
-                _compute, snapshot, machines, busy, connected, now, self.store.engine_state(), engine_cfg
+                _compute, snapshot, machines, busy, connected, now, self.store.engine_state(), engine_cfg, self.engine
             )
         self._last_compute = time.perf_counter() - t0
         self.metrics.phase_duration.labels("decide").observe(self._last_compute)
@@ -455,10 +464,10 @@ class ShardDaemon:
 
 def _compute(
     snapshot: tuple[Need, ...], machines: list[Any], busy: frozenset[str], connected: list[Need], now: int,
-    state: Any, cfg: EngineConfig,
+    state: Any, cfg: EngineConfig, engine: Engine | None = None,
 ) -> tuple[Decision, dict[Any, availability.Availability]]:
     """The pure part of a cycle (runs on a worker thread or in a forked child)."""
-    decision = decide(snapshot, machines, now, state, cfg)
+    decision = (engine.decide if engine is not None else decide)(snapshot, machines, now, state, cfg)
     return decision, availability.compute(connected, machines, busy)
 
 
