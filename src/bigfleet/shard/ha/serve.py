@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import signal
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +20,22 @@ from bigfleet.shard.ha.node import ShardRaft, ShardRaftConfig
 from bigfleet.shard.metrics import ShardMetrics
 
 PASSWORD_ENV = "BIGFLEET_SHARD_RAFT_PASSWORD"
+#: the project-wide variable (bigfleet.security.raft): the Helm chart sets this one for every Raft group
+SHARED_PASSWORD_ENV = "BIGFLEET_RAFT_PASSWORD"
+
+
+def raft_password(flag: str | None, environ: Mapping[str, str] = os.environ) -> str:
+    """The flag, else the shard-specific variable, else the shared one the chart sets."""
+    return flag or environ.get(PASSWORD_ENV) or environ.get(SHARED_PASSWORD_ENV, "")
 
 
 async def serve_ha(settings: Any, tls: TLSConfig | None = None) -> int:
     replica = settings.replica_id or settings.raft_bind
     log = get_logger("bigfleet.shard.ha", shard=settings.shard_id, replica=replica)
-    password = settings.raft_password or os.environ.get(PASSWORD_ENV, "")
+    password = raft_password(settings.raft_password)
     if not password:
         # pysyncobj's transport is pickle: without the password anyone reaching the port runs code.
-        log.error("a Raft password is required (--raft-password or " + PASSWORD_ENV + ")")
+        log.error(f"a Raft password is required (--raft-password, {PASSWORD_ENV} or {SHARED_PASSWORD_ENV})")
         return 2
     peers = [p.strip() for p in settings.raft_peers.split(",") if p.strip()]
     registry = new_registry(process_metrics=True)
