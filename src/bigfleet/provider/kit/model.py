@@ -10,32 +10,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from enum import IntEnum, StrEnum
+from enum import StrEnum
+from typing import TypeAlias
 
 import grpc
 
+# The kit speaks the same enums as the rest of BigFleet (values are the proto's).
+from bigfleet.machine.state import CapacityType as CapacityType
+from bigfleet.machine.state import MachineState
 from bigfleet.v1alpha1 import provider_pb2
 
-
-class State(IntEnum):
-    UNSPECIFIED = 0
-    SPECULATIVE = 1
-    CREATING = 2
-    IDLE = 3
-    CONFIGURING = 4
-    CONFIGURED = 5
-    DRAINING = 6
-    DELETING = 7
-    FAILED = 8
-
-
-class CapacityType(IntEnum):
-    UNSPECIFIED = 0
-    BARE_METAL = 1
-    RESERVED = 2
-    ON_DEMAND = 3
-    SPOT = 4
-
+State: TypeAlias = MachineState
 
 STABLE = frozenset({State.SPECULATIVE, State.IDLE, State.CONFIGURED})
 TRANSITIONAL = frozenset({State.CREATING, State.CONFIGURING, State.DRAINING, State.DELETING})
@@ -254,7 +239,7 @@ class MachineRecord:
         host = d.get("host") or {}
         assert isinstance(host, dict)
         return cls(
-            id=str(d["id"]), state=State[str(d["state"])], instance_type=str(d["instance_type"]),
+            id=str(d["id"]), state=MachineState[str(d["state"])], instance_type=str(d["instance_type"]),
             zone=str(d.get("zone", "")), capacity_type=CapacityType[str(d["capacity_type"])],
             price_per_hour=float(d.get("price_per_hour", 0.0)),  # type: ignore[arg-type]
             interruption_probability=float(d.get("interruption_probability", 0.0)),  # type: ignore[arg-type]

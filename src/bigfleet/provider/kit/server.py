@@ -32,6 +32,7 @@ from bigfleet.provider.kit.backend import (
 )
 from bigfleet.provider.kit.core import ProviderCore, check_configure_args
 from bigfleet.provider.kit.model import Fence, Kind, KitError, MachineRecord, State
+from bigfleet.provider.kit.model import _bytes_field as _field
 from bigfleet.provider.kit.store import GroupCommitter, NullStore, Store
 from bigfleet.rpc import new_server
 from bigfleet.v1alpha1 import provider_pb2
@@ -62,19 +63,6 @@ class KitOptions:
             Kind.DRAIN: self.drain_timeout,
             Kind.DELETE: self.delete_timeout,
         }[kind]
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _field(tag: int, payload: bytes) -> bytes:
-    return bytes((tag,)) + _varint(len(payload)) + payload
 
 
 def encode_ack(op_id: str, rec: MachineRecord) -> bytes:
