@@ -311,3 +311,23 @@ def test_hand_encoded_wire_matches_protobuf(md: dict[str, str], state: State, cl
     assert pb.Machine.FromString(rec.wire()) == rec.to_proto()
     snap = rec.copy()
     assert snap.wire() == rec.wire()
+
+
+
+def test_only_the_latest_transition_is_replayable() -> None:
+    """A Drain from an earlier life of the slot (before a Delete and a new Create) is not a repeat:
+    a fresh Drain on the new IDLE machine is an invalid transition, and that survives a restore."""
+    c = core_with()
+    mid = "aws-00000"
+    steps = ((Kind.CREATE, ()), (Kind.CONFIGURE, ("c1", {})), (Kind.DRAIN, ()), (Kind.DELETE, ()), (Kind.CREATE, ()))
+    for kind, extra in steps:
+        ack = c.mutate(kind, mid, Z, *extra)
+        c.complete(mid, kind, ack.operation_id, host=HostRef("p", "h1") if kind == Kind.CREATE else None)
+    assert c.get(mid).state == State.IDLE
+    assert code_of(c.mutate, Kind.DRAIN, mid, Z) == grpc.StatusCode.INTERNAL
+    d = ProviderCore()
+    d.restore(c.snapshot())
+    assert code_of(d.mutate, Kind.DRAIN, mid, Z) == grpc.StatusCode.INTERNAL
+    # ...while a true repeat of the latest transition is still a replay with the same id
+    again = d.mutate(Kind.CREATE, mid, Z)
+    assert not again.started

@@ -218,7 +218,7 @@ class ProviderCore:
         if rec is None:
             raise KitError(grpc.StatusCode.NOT_FOUND, f"machine {machine_id!r} not found")
         prior = self.ops.get((machine_id, kind))
-        if prior is not None and rec.state in (kind.transitional, kind.target):
+        if prior and rec.state in (kind.transitional, kind.target):
             if kind == Kind.CONFIGURE and rec.cluster != cluster_id:
                 raise KitError(
                     grpc.StatusCode.ALREADY_EXISTS,
@@ -234,6 +234,13 @@ class ProviderCore:
         self.next_op += 1
         self.ops[(machine_id, kind)] = op_id
         self._dirty_o.add((machine_id, kind))
+        # Only a machine's latest transition can be repeated: once another one starts, an older
+        # operation (e.g. a Drain from before a Delete and a new Create) is no longer a replay.
+        # An empty id is the tombstone, so the journal carries the forgetting too.
+        for other in Kind:
+            if other != kind and self.ops.get((machine_id, other)):
+                self.ops[(machine_id, other)] = ""
+                self._dirty_o.add((machine_id, other))
         self._dirty_m.add(machine_id)
         rec.state = kind.transitional
         rec.op_id = op_id
@@ -377,7 +384,7 @@ class ProviderCore:
             "fences": [
                 {"shard_id": s, "machine_id": m, "epoch": e, "sequence": q} for (s, m), (e, q) in self.fences.items()
             ],
-            "ops": [{"machine_id": m, "kind": k.value, "operation_id": o} for (m, k), o in self.ops.items()],
+            "ops": [{"machine_id": m, "kind": k.value, "operation_id": o} for (m, k), o in self.ops.items() if o],
         }
 
     def restore(self, snap: Mapping[str, object]) -> None:
@@ -400,6 +407,7 @@ class ProviderCore:
         ops = {
             (str(o["machine_id"]), Kind(o["kind"])): str(o["operation_id"])
             for o in snap.get("ops", []) or []  # type: ignore[attr-defined]
+            if o["operation_id"]
         }
         self.machines, self.fences, self.ops = machines, fences, ops
         self.rev = rev
