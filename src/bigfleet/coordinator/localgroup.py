@@ -7,7 +7,7 @@ from pathlib import Path
 
 import grpc
 
-from bigfleet.testing import ManagedProcess, free_port, wait_for_health, wait_until
+from bigfleet.testing import ManagedProcess, free_port, wait_until
 from bigfleet.v1alpha1 import coordinator_pb2 as pb
 from bigfleet.v1alpha1 import coordinator_pb2_grpc as pbg
 
@@ -64,8 +64,9 @@ class CoordGroup:
 
     def wait_up(self, timeout: float = 30.0) -> None:
         """Every started replica answers gRPC health (its server is listening)."""
-        for i in self.alive():
-            wait_for_health(self.addr(i), timeout=timeout)
+        for i, p in enumerate(self.procs):
+            if p is not None:
+                p.wait_healthy(self.addr(i), timeout=timeout)
 
     def kill(self, i: int) -> None:
         p = self.procs[i]

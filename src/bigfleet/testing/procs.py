@@ -8,6 +8,7 @@ fail with a clear message when it is not.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -24,10 +25,28 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 T = TypeVar("T")
 
 
+_handed_out: set[int] = set()
+# Below Linux's default ephemeral range (32768-60999): a port picked there can
+# be taken between our probe and the daemon's bind by any outgoing connection's
+# local port, which made multi-process tests flaky.
+_LOW, _HIGH = 20000, 32767
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (bind to 0, read, release)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    """A port that was free a moment ago, outside the ephemeral range, never handed out twice by this process."""
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(2000):
+        port = rng.randint(_LOW, _HIGH)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # fall back to the kernel's choice
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
@@ -118,6 +137,23 @@ class ManagedProcess:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         return self.proc.returncode
+
+    def wait_healthy(self, target: str, timeout: float = 30.0) -> None:
+        """Like wait_for_health, but stop at once, with the log tail, if the process has exited."""
+
+        def ready() -> bool:
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode if self.proc else None}; log tail:\n{self.logs()[-3000:]}")
+            try:
+                return bool(health_status(target) == health_pb2.HealthCheckResponse.SERVING)
+            except grpc.RpcError:
+                return False
+
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"timed out after {timeout}s waiting for {self.name} health SERVING at {target}; log tail:\n{self.logs()[-3000:]}")
+            time.sleep(0.1)
 
     def logs(self) -> str:
         try:
