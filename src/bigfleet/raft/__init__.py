@@ -1,0 +1,14 @@
+"""The one pysyncobj <-> asyncio bridge shared by the coordinator and shard replica groups.
+
+Both keep a replicated state machine in a pysyncobj ``SyncObjConsumer`` and write to it from an
+asyncio daemon. The measured pitfalls (spec decision 15, python-ecosystem §1) apply to both alike,
+so the settings, the callback-to-awaitable bridge and the role/status queries live here once; each
+user keeps only its state machine and its replicated commands.
+"""
+
+from bigfleet.raft.bridge import RaftBridge
+from bigfleet.raft.consumer import LockedConsumer
+from bigfleet.raft.errors import RaftError, fail_reason
+from bigfleet.raft.settings import RaftSettings, sync_obj_conf
+
+__all__ = ["LockedConsumer", "RaftBridge", "RaftError", "RaftSettings", "fail_reason", "sync_obj_conf"]

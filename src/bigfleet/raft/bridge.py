@@ -1,0 +1,105 @@
+"""One Raft member driven from asyncio.
+
+pysyncobj runs its own tick thread (``autoTick``); replicated calls return at once and report the
+outcome later through a callback on that thread. The bridge turns each callback into an asyncio
+future settled through ``loop.call_soon_threadsafe``, so the event loop never blocks on a write,
+and bounds every wait with a timeout (a lost callback becomes a :class:`RaftError`, which callers
+answer by retrying an idempotent command).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, ClassVar, Generic, TypeVar
+
+from pysyncobj import FAIL_REASON, SyncObj
+
+from bigfleet.raft.consumer import LockedConsumer
+from bigfleet.raft.errors import RaftError, fail_reason
+from bigfleet.raft.settings import RaftSettings, sync_obj_conf
+
+S = TypeVar("S")
+T = TypeVar("T")
+
+
+class RaftBridge(Generic[S]):
+    """Role, status, reads, writes and membership for one member; construct on the loop's thread."""
+
+    journal_file: ClassVar[str] = "raft.journal"
+    dump_file: ClassVar[str] = "raft.dump"
+
+    def __init__(self, cfg: RaftSettings, consumer: LockedConsumer[S]) -> None:
+        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        self._repl = consumer
+        conf = sync_obj_conf(cfg, self.journal_file, self.dump_file)
+        self._obj = SyncObj(cfg.self_address, cfg.other_peers(), conf, consumers=[consumer])
+        self._self_address = cfg.self_address
+
+    # ------------------------------------------------------------- status
+    @property
+    def address(self) -> str:
+        return self._self_address
+
+    def is_leader(self) -> bool:
+        return bool(self._obj._isLeader())
+
+    def leader(self) -> str | None:
+        node = self._obj._getLeader()
+        return None if node is None else str(getattr(node, "address", node))
+
+    def raft_term(self) -> int:
+        return int(self._obj.raftCurrentTerm)
+
+    def last_applied(self) -> int:
+        return int(self._obj.raftLastApplied)
+
+    def has_quorum(self) -> bool:
+        return bool(self._obj.hasQuorum)
+
+    def status(self) -> dict[str, Any]:
+        return dict(self._obj.getStatus())
+
+    def members(self) -> list[str]:
+        return sorted([self._self_address, *[str(n.address) for n in self._obj.otherNodes]])
+
+    # -------------------------------------------------------------- reads
+    def read(self, fn: Callable[[S], T]) -> T:
+        """Run ``fn`` on the local state under the apply lock (keep it short)."""
+        with self._repl.lock:
+            return fn(self._repl.fsm)
+
+    # ------------------------------------------------------------- writes
+    async def call(self, method: Callable[..., Any], *args: Any, timeout: float, what: str = "raft write") -> Any:
+        """Invoke a pysyncobj callback-style method and await its committed result."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+
+        def done(res: Any, err: Any) -> None:
+            def settle() -> None:
+                if fut.done():
+                    return
+                if err == FAIL_REASON.SUCCESS:
+                    fut.set_result(res)
+                else:
+                    fut.set_exception(RaftError(f"{what} failed: {fail_reason(err)}"))
+
+            try:
+                loop.call_soon_threadsafe(settle)
+            except RuntimeError:  # the loop closed while the write was in flight: nobody waits
+                pass
+
+        method(*args, callback=done)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError as exc:
+            raise RaftError(f"{what} timed out after {timeout}s") from exc
+
+    async def add_node(self, address: str, timeout: float = 10.0) -> None:
+        await self.call(self._obj.addNodeToCluster, address, timeout=timeout, what="membership change")
+
+    async def remove_node(self, address: str, timeout: float = 10.0) -> None:
+        await self.call(self._obj.removeNodeFromCluster, address, timeout=timeout, what="membership change")
+
+    def destroy(self) -> None:
+        self._obj.destroy()
