@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2, help="load-generator processes")
     p.add_argument("--channels", type=int, default=4, help="gRPC channels per worker and shard")
     p.add_argument("--actuate", action="store_true", help="execute actions (default: shard --dry-run)")
+    p.add_argument("--prebind", action="store_true",
+                   help="steady state: the provider starts with the demand already CONFIGURED (as a shard would "
+                        "have bound it); implies --actuate; one shard only")
     p.add_argument("--engine-fork", action="store_true", help="pass --engine-fork to the shard(s)")
     p.add_argument("--shard-arg", action="append", default=[], help="extra shard flag (repeatable)")
     p.add_argument("--json", dest="json_path", default="", help="write the report here as JSON")
@@ -139,10 +142,12 @@ def start_fleet(args: argparse.Namespace, workdir: Path) -> tuple[list[ShardProc
     for k in range(args.shards):
         name = f"shard-{k + 1}"
         paddr, saddr, maddr = (f"127.0.0.1:{free_port()}" for _ in range(3))
-        prov = ManagedProcess.bigfleet([
-            "fake-provider", "--listen", paddr, "--provider-name", f"fake{k + 1}",
-            "--seed-count", str(args.machines // args.shards), "--committed-count", str(args.committed // args.shards),
-            "--log-level", "warning"], f"provider-{k + 1}", log_dir=logs).start()
+        pargv = ["fake-provider", "--listen", paddr, "--provider-name", f"fake{k + 1}",
+                 "--seed-count", str(args.machines // args.shards), "--committed-count", str(args.committed // args.shards),
+                 "--log-level", "warning"]
+        if args.prebind:
+            pargv += ["--prebind-file", str(write_prebind_seed(args, workdir, f"fake{k + 1}", name))]
+        prov = ManagedProcess.bigfleet(pargv, f"provider-{k + 1}", log_dir=logs).start()
         sargv = ["shard", "--shard-id", name, "--listen", saddr, "--provider", paddr, "--metrics-listen", maddr,
                  "--data-dir", str(workdir / name), "--cycle-interval", str(args.cycle_interval),
                  "--log-level", "warning"]
@@ -164,6 +169,21 @@ def start_fleet(args: argparse.Namespace, workdir: Path) -> tuple[list[ShardProc
     if coord_addr:
         wait_until(lambda: _registered(coord_addr) >= args.shards, args.start_timeout, what="shards registered")
     return shards, coord, coord_addr
+
+
+def write_prebind_seed(args: argparse.Namespace, workdir: Path, provider: str, shard: str) -> Path:
+    """Compute the steady-state bindings in-process (the engine on the same catalog and roll-ups)
+    and write the fake provider's seed file; the counts are kept for the report."""
+    from bigfleet.scale import prebind
+
+    t0 = time.perf_counter()
+    bindings, d = prebind.plan(args.shape, args.clusters, args.machines, args.committed, args.demand_fraction,
+                               args.needs_per_cluster, provider, shard if args.coordinator else "")
+    path = workdir / f"prebind-{provider}.json"
+    prebind.write_seed(path, bindings)
+    args.prebind_info = {"machines_bound": len(bindings), "plan_unsatisfied_needs": d.stats.unsatisfied,
+                         "plan_seconds": round(time.perf_counter() - t0, 2)}
+    return path
 
 
 def _listen_of(p: ManagedProcess) -> str:
@@ -229,6 +249,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         shards, coord, coord_addr = start_fleet(args, workdir)
         rss_idle = {s.name: proc_rss_mb(s.proc.pid) for s in shards}
+        at_start = {s.name: stats.parse(_fetch(s.metrics_url)) for s in shards}
         t_open = time.perf_counter()
         workers = start_workers(args, shards, coord_addr, workdir)
         ready = sum(int(_read_tagged(p, "READY")) for p in workers)
@@ -258,7 +279,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for p in workers:
             p.wait(timeout=60)
         return report(args, shards, results, before, after, window, cpu0, cpu1, pcpu0, pcpu1, rss_idle, rss_open,
-                      sampler, ready, open_s, workdir)
+                      sampler, ready, open_s, workdir, at_start)
     finally:
         for p in workers:
             if p.poll() is None:
@@ -275,7 +296,7 @@ def report(args: argparse.Namespace, shards: list[ShardProc], results: list[dict
            before: dict[str, stats.Samples], after: dict[str, stats.Samples], window: float,
            cpu0: dict[str, float], cpu1: dict[str, float], pcpu0: dict[str, float], pcpu1: dict[str, float],
            rss_idle: dict[str, float], rss_open: dict[str, float], sampler: Sampler, ready: int, open_s: float,
-           workdir: Path) -> dict[str, Any]:
+           workdir: Path, at_start: dict[str, stats.Samples] | None = None) -> dict[str, Any]:
     ack = [x for r in results for x in r["ack"]]
     first_bind = [x for r in results for x in r["first_bind"]]
     per_shard_sessions: dict[str, int] = {}
@@ -302,11 +323,17 @@ def report(args: argparse.Namespace, shards: list[ShardProc], results: list[dict
         "bootstraps_answered": sum(r["bootstraps"] for r in results),
         "shards": {},
     }
+    if getattr(args, "prebind_info", None):
+        out["prebind"] = args.prebind_info
     for s in shards:
         a, b = after[s.name], before[s.name]
         cycles = stats.delta(a, b, "bigfleet_shard_cycles_total")
         binds = sum(stats.delta(a, b, "bigfleet_shard_actions_total", kind=k) for k in BIND_KINDS)
         binds_dry = sum(stats.delta(a, b, "bigfleet_shard_actions_dryrun_total", kind=k) for k in BIND_KINDS)
+        z = (at_start or {}).get(s.name, {})
+        # from shard start to the measurement window: the first cycles that credit the (pre-)bound fleet
+        warm = {k: stats.delta(b, z, "bigfleet_shard_actions_total", kind=k)
+                for k in ("Configure", "Create", "Drain", "Delete")}
         peak, mean = stats.per_cycle_peaks(sampler.series[s.name])
         phases = {}
         for ph in stats.label_values(a, "bigfleet_shard_cycle_phase_duration_seconds_bucket", "phase"):
@@ -330,6 +357,9 @@ def report(args: argparse.Namespace, shards: list[ShardProc], results: list[dict
             "rollups_accepted": stats.delta(a, b, "bigfleet_shard_rollups_total"),
             "binds_issued": binds,
             "binds_dry_run": binds_dry,
+            "drains_issued": stats.delta(a, b, "bigfleet_shard_actions_total", kind="Drain"),
+            "warmup_actions": warm,
+            "warmup_cycles": stats.delta(b, z, "bigfleet_shard_cycles_total"),
             "binds_per_cycle_mean": mean,
             "binds_per_cycle_max": peak,
             "shortfalls_last": a.get(("bigfleet_shard_shortfalls", ()), math.nan),
@@ -372,7 +402,7 @@ def render(res: dict[str, Any]) -> str:
     c = res["config"]
     lines.append("")
     lines.append(f"(shape {c['shape']}, {c['clusters']} clusters, {c['machines']}+{c['committed']} machines, "
-                 f"{c['shards']} shard(s), interval {c['interval']} s, {'actuate' if c['actuate'] else 'dry-run'}; "
+                 f"{c['shards']} shard(s), interval {c['interval']} s, {'prebind, actuate' if c.get('prebind') else 'actuate' if c['actuate'] else 'dry-run'}; "
                  f"histogram quantiles are bucket upper bounds)")
     return "\n".join(lines)
 
@@ -382,6 +412,12 @@ def main(argv: list[str]) -> int:
     if args.clusters < 1 or args.machines < 0 or args.shards < 1 or args.workers < 1:
         print("bigfleet scaletest: --clusters, --shards and --workers must be >= 1", file=sys.stderr)
         return 2
+    if args.prebind:
+        if args.shards != 1:
+            print("bigfleet scaletest: --prebind needs --shards 1 (placement decides which shard owns a cluster)",
+                  file=sys.stderr)
+            return 2
+        args.actuate = True
     try:
         res = run(args)
     except (RuntimeError, TimeoutError) as exc:

@@ -52,6 +52,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fail-rate", type=float, default=0.0, help="probability in [0,1] a transition fails")
     p.add_argument("--fault-seed", type=int, default=0)
     p.add_argument("--list-seed", type=int, default=None, help="seed List's order randomisation")
+    p.add_argument("--prebind-file", default="",
+                   help="JSON seed of catalog machines that start CONFIGURED for a cluster (bigfleet scaletest "
+                        "--prebind writes one); not with --state-file")
     return p
 
 
@@ -77,6 +80,22 @@ def main(argv: list[str]) -> int:
         catalog, args.provider_name,
         Dwell(args.create_delay, args.configure_delay, args.drain_delay, args.delete_delay), faults,
     )
+    store = None
+    if args.prebind_file:
+        if args.state_file:
+            raise SystemExit("--prebind-file and --state-file are exclusive")
+        from bigfleet.provider.fake.seed import SeedStore, host_for, prebound_snapshot, read_seed
+
+        try:
+            bindings = read_seed(args.prebind_file)
+            snap = prebound_snapshot(catalog, bindings, args.provider_name, args.require_zone)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"--prebind-file: {exc}") from exc
+        by_id = {inst.id: inst for inst in catalog}
+        for b in bindings:  # the simulated substrate agrees: these hosts exist and are bound
+            backend.hosts[b.machine_id] = host_for(by_id[b.machine_id], args.provider_name)
+            backend.bindings[b.machine_id] = b.cluster
+        store = SeedStore(snap)
     from bigfleet.provider.kit.server import KitOptions
 
-    return run(backend, args, KitOptions(list_seed=args.list_seed), component="fake-provider")
+    return run(backend, args, KitOptions(list_seed=args.list_seed), component="fake-provider", store=store)

@@ -55,14 +55,15 @@ def options_from_args(args: argparse.Namespace, base: KitOptions | None = None) 
 
 async def serve_until_signal(
     backend: Backend, args: argparse.Namespace, options: KitOptions | None = None, component: str = "provider",
-    tls: Any = None,
+    tls: Any = None, store: Store | None = None,
 ) -> int:
     log = get_logger("bigfleet.provider", component=component)
     opts = options_from_args(args, options)
     if args.conformance_faults or faults_enabled():
         backend = ConformanceFaults(backend, timeout=opts.configure_timeout)
         log.warning("conformance fault hooks enabled", transition_timeout=opts.configure_timeout)
-    store: Store = FileStore(args.state_file) if args.state_file else NullStore()
+    if store is None:  # a caller-built store (e.g. the fake provider's prebind seed) wins over --state-file
+        store = FileStore(args.state_file) if args.state_file else NullStore()
     registry = new_registry(process_metrics=True)
     running = await serve(backend, args.listen, store, opts, registry, tls=tls)
     metrics = start_metrics_server(args.metrics_listen, registry) if args.metrics_listen else None
@@ -99,7 +100,7 @@ async def _reconcile_loop(provider: ProviderServer, interval: float, log: object
 
 
 def run(backend: Backend, args: argparse.Namespace, options: KitOptions | None = None,
-        component: str = "provider") -> int:
+        component: str = "provider", store: Store | None = None) -> int:
     from bigfleet.security import TLSConfig, TLSConfigError
 
     try:
@@ -108,4 +109,4 @@ def run(backend: Backend, args: argparse.Namespace, options: KitOptions | None =
         print(f"bigfleet {component}: {exc}", file=sys.stderr)
         return 2
     configure_logging(args.log_level, args.log_format, component=component)
-    return asyncio.run(serve_until_signal(backend, args, options, component, tls=tls))
+    return asyncio.run(serve_until_signal(backend, args, options, component, tls=tls, store=store))
