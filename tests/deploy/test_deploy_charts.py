@@ -148,7 +148,10 @@ def test_pod_controller_rejects_unknown_penalty_keys_and_second_writer() -> None
     # values.schema.json answers first; the templates' own checks back it up when schema
     # validation is skipped (helm --skip-schema-validation).
     assert "interuptionPenalty" in render_error("bigfleet-unschedulable-pod-controller", bad)
-    assert "/replicas" in render_error("bigfleet-unschedulable-pod-controller", {"replicas": 2})
+    assert "needs leaderElection.enabled" in render_error(
+        "bigfleet-unschedulable-pod-controller", {"replicas": 2, "leaderElection": {"enabled": False}})
+    assert "leaseDuration > renewDeadline" in render_error(
+        "bigfleet-unschedulable-pod-controller", {"leaderElection": {"enabled": True, "leaseDuration": 5}})
 
 
 # --- what the control plane runs --------------------------------------------------------------

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kubernetes.aio import client
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from bigfleet.needs import ValidationError
 from bigfleet.observability import get_logger
@@ -39,6 +39,8 @@ class PodControllerMetrics:
                               "CapacityRequest writes", ["op", "outcome"], registry=self.registry)
         self.skipped = Counter("bigfleet_podcontroller_pods_skipped_total",
                                "Pods whose CapacityRequest could not be derived", registry=self.registry)
+        self.leader = Gauge("bigfleet_podcontroller_leader", "1 while this replica runs the controller "
+                            "(holds the Lease, or runs without election)", registry=self.registry)
 
 
 class PodController:

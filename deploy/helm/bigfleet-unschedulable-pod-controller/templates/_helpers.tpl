@@ -36,3 +36,17 @@ app.kubernetes.io/component: pod-controller
 {{- default "default" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
+
+{{- define "bigfleet-upc.leaseName" -}}
+{{- default (printf "%s-leader" (include "bigfleet-upc.fullname" .)) .Values.leaderElection.leaseName -}}
+{{- end -}}
+
+{{- define "bigfleet-upc.validate" -}}
+{{- if and (gt (int .Values.replicas) 1) (not .Values.leaderElection.enabled) -}}
+{{- fail "replicas > 1 needs leaderElection.enabled: two active controllers would duplicate CapacityRequests" -}}
+{{- end -}}
+{{- $le := .Values.leaderElection -}}
+{{- if and $le.enabled (not (and (gt (float64 $le.leaseDuration) (float64 $le.renewDeadline)) (gt (float64 $le.renewDeadline) (float64 $le.retryPeriod)))) -}}
+{{- fail "leaderElection needs leaseDuration > renewDeadline > retryPeriod" -}}
+{{- end -}}
+{{- end -}}
