@@ -16,6 +16,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from bigfleet.allinone.fleet import Fleet, FleetSpec
@@ -37,7 +38,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                                          "(the default when stdout is not a terminal)")
     p.add_argument("--print-every", type=float, default=5.0, help="seconds between plain lines")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--tls", choices=["off", "auto"], default="off",
+                   help="auto: run every hop with mTLS, certificates issued by a local CA into --tls-dir")
+    p.add_argument("--tls-dir", default="",
+                   help="PKI directory for --tls auto (default <workdir>/pki); an existing ca.crt/ca.key is reused")
     a = p.parse_args(argv)
+    if a.tls_dir and a.tls != "auto":
+        p.error("--tls-dir needs --tls auto")
     if a.clusters < 1 or a.duration <= 0 or a.tick <= 0:
         p.error("--clusters, --duration and --tick must be positive")
     return a
@@ -160,10 +167,15 @@ async def observe(fleet: Fleet, ops: list[WireOperator], cycle: int, started: fl
 async def run(args: argparse.Namespace, scenario: Scenario) -> int:
     plain = args.plain or not sys.stdout.isatty()
     spec = FleetSpec(committed=scenario.committed, speculative=scenario.speculative,
-                     cycle_interval=max(0.5, args.tick))
+                     cycle_interval=max(0.5, args.tick), tls=args.tls == "auto",
+                     pki_dir=Path(args.tls_dir) if args.tls_dir else None,
+                     cluster_ids=tuple(sorted(scenario.clusters)))
     fleet = Fleet(spec)
     print(f"starting coordinator, fake provider ({scenario.committed} hosts + {scenario.speculative} quota slots) "
           f"and shard; logs in {spec.workdir / 'logs'}", flush=True)
+    if spec.tls:
+        print(f"mTLS on every hop; certificates in {spec.pki} (bigfleetctl: --tls-cert {spec.pki / 'admin.crt'} "
+              f"--tls-key {spec.pki / 'admin.key'} --tls-ca {spec.pki / 'ca.crt'})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -173,11 +185,13 @@ async def run(args: argparse.Namespace, scenario: Scenario) -> int:
     snap = Snapshot()
     try:
         await asyncio.to_thread(fleet.start)
-        ops = [WireOperator(SimCluster(cid, ws), fleet.addrs["shard"]) for cid, ws in sorted(scenario.clusters.items())]
+        ops = [WireOperator(SimCluster(cid, ws), fleet.addrs["shard"], fleet.tls_for(f"cluster-{cid}"))
+               for cid, ws in sorted(scenario.clusters.items())]
         for op in ops:
             op.start()
         print(f"fleet up: shard {fleet.addrs['shard']}, coordinator {fleet.addrs['coordinator']}, "
-              f"provider {fleet.addrs['provider']}; {len(ops)} simulated clusters", flush=True)
+              f"provider {fleet.addrs['provider']}; {len(ops)} simulated clusters"
+              + (" (mTLS)" if spec.tls else ""), flush=True)
         started = time.monotonic()
         cycle, prev, last_print = 0, dict[str, float](), 0.0
         live: Any = None

@@ -1,4 +1,11 @@
-"""The supervised daemons of the all-in-one: coordinator, fake provider, shard (real processes)."""
+"""The supervised daemons of the all-in-one: coordinator, fake provider, shard (real processes).
+
+With ``tls`` every hop is mTLS with the role identities a production fleet uses: a local CA (reused
+when ``pki_dir`` already holds one) issues ``shard-<id>`` for the shard (its certificate is also
+what it presents to the provider and the coordinator), ``cluster-<id>`` for each simulated
+operator, ``admin`` for the coordinator and for this process's own reads, ``readonly`` for the
+provider's server side.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +16,15 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from bigfleet.security import TLSConfig, dial, dial_sync
+from bigfleet.security.certs import make_local_pki
 from bigfleet.testing import ManagedProcess, free_port
-from bigfleet.testing.procs import health_status
 from bigfleet.v1alpha1 import shardread_pb2, shardread_pb2_grpc
+
+SHARD_ID = "shard-1"
 
 
 @dataclass
@@ -25,6 +35,15 @@ class FleetSpec:
     dwell: tuple[float, float, float, float] = (2.0, 1.0, 1.0, 1.0)  # create, configure, drain, delete
     execute_timeout: float = 30.0
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="bigfleet-all-in-one-")))
+    tls: bool = False
+    # Where the local PKI lives (default <workdir>/pki); an existing ca.crt/ca.key there is reused.
+    pki_dir: Path | None = None
+    # Simulated clusters: each gets its own cluster certificate under TLS.
+    cluster_ids: tuple[str, ...] = ()
+
+    @property
+    def pki(self) -> Path:
+        return self.pki_dir or self.workdir / "pki"
 
 
 @dataclass
@@ -38,6 +57,19 @@ class Fleet:
     def _addr(self) -> str:
         return f"127.0.0.1:{free_port()}"
 
+    def tls_for(self, stem: str) -> TLSConfig | None:
+        """The TLS config of one identity (``admin``, ``shard-shard-1``, ``cluster-<id>``...); None in plaintext."""
+        if not self.spec.tls:
+            return None
+        d = self.spec.pki
+        return TLSConfig.from_paths(d / f"{stem}.crt", d / f"{stem}.key", d / "ca.crt")
+
+    def _tls_flags(self, stem: str) -> list[str]:
+        if not self.spec.tls:
+            return []
+        d = self.spec.pki
+        return ["--tls-cert", str(d / f"{stem}.crt"), "--tls-key", str(d / f"{stem}.key"), "--tls-ca", str(d / "ca.crt")]
+
     def start(self) -> None:
         sp, logs = self.spec, self.spec.workdir / "logs"
         self.addrs = {"provider": self._addr(), "coordinator": self._addr(), "raft": self._addr(),
@@ -47,24 +79,27 @@ class Fleet:
         pw = sp.workdir / "raft-password"
         pw.write_text(secrets.token_hex(24))
         pw.chmod(0o600)
+        if sp.tls:
+            make_local_pki(sp.pki, clusters=sp.cluster_ids, shards=(SHARD_ID,))
         self.argv["provider"] = [
             "fake-provider", "--listen", self.addrs["provider"], "--seed-count", str(sp.speculative),
             "--state-file", str(sp.workdir / "provider-state.json"),  # a restarted provider keeps its machines
             "--committed-count", str(sp.committed), "--create-delay", str(c), "--configure-delay", str(cf),
             "--drain-delay", str(dr), "--delete-delay", str(de), "--log-format", "console", "--log-level", "warning",
+            *self._tls_flags("readonly"),
         ]
         self.argv["coordinator"] = [
             "coordinator", "--node-id", "coord-1", "--listen", self.addrs["coordinator"],
             "--raft-bind", self.addrs["raft"], "--data-dir", str(sp.workdir / "coordinator"),
             "--raft-password-file", str(pw),
-            "--log-format", "console", "--log-level", "warning",
+            "--log-format", "console", "--log-level", "warning", *self._tls_flags("admin"),
         ]
         self.argv["shard"] = [
-            "shard", "--shard-id", "shard-1", "--listen", self.addrs["shard"], "--provider", self.addrs["provider"],
+            "shard", "--shard-id", SHARD_ID, "--listen", self.addrs["shard"], "--provider", self.addrs["provider"],
             "--coordinator", self.addrs["coordinator"], "--data-dir", str(sp.workdir / "shard"),
             "--metrics-listen", self.addrs["shard-metrics"], "--cycle-interval", str(sp.cycle_interval),
             "--execute-timeout", str(sp.execute_timeout), "--heartbeat-interval", "2",
-            "--log-format", "console", "--log-level", "warning",
+            "--log-format", "console", "--log-level", "warning", *self._tls_flags(f"shard-{SHARD_ID}"),
         ]
         for name in ("provider", "coordinator", "shard"):
             self.procs[name] = ManagedProcess.bigfleet(self.argv[name], name, log_dir=logs).start()
@@ -79,13 +114,18 @@ class Fleet:
             if not p.alive():
                 raise RuntimeError(f"{name} exited during start-up:\n{p.logs()[-2000:]}")
             try:
-                if health_status(self.addrs[name], timeout=1.0) == health_pb2.HealthCheckResponse.SERVING:
+                if self._health(self.addrs[name]) == health_pb2.HealthCheckResponse.SERVING:
                     return
             except Exception:  # not listening yet
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name} not healthy after {timeout:g}s:\n{p.logs()[-2000:]}")
             time.sleep(0.2)
+
+    def _health(self, target: str) -> int:
+        with dial_sync(target, self.tls_for("admin")) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+            return int(resp.status)
 
     def check(self) -> list[str]:
         """Restart a daemon that died (the all-in-one is a supervisor); returns the names restarted."""
@@ -106,27 +146,22 @@ class Fleet:
     # -- what the view reads -----------------------------------------------------------------------
 
     async def counts(self) -> shardread_pb2.InventoryCounts:
-        from bigfleet.rpc import insecure_channel
-
-        async with insecure_channel(self.addrs["shard"]) as ch:
+        async with dial(self.addrs["shard"], self.tls_for("admin")) as ch:
             r: shardread_pb2.InventoryCounts = await shardread_pb2_grpc.ShardReadStub(ch).GetInventoryCounts(
                 shardread_pb2.InventoryCountsRequest(), timeout=5)
             return r
 
     async def shortfalls(self) -> shardread_pb2.ListShortfallsResponse:
-        from bigfleet.rpc import insecure_channel
-
-        async with insecure_channel(self.addrs["shard"]) as ch:
+        async with dial(self.addrs["shard"], self.tls_for("admin")) as ch:
             r: shardread_pb2.ListShortfallsResponse = await shardread_pb2_grpc.ShardReadStub(ch).ListShortfalls(
                 shardread_pb2.ListShortfallsRequest(), timeout=5)
             return r
 
     async def shards_registered(self) -> int:
         """Shards the coordinator knows (it answers only as leader: a single replica is its own)."""
-        from bigfleet.rpc import insecure_channel
         from bigfleet.v1alpha1 import coordinator_pb2, coordinator_pb2_grpc
 
-        async with insecure_channel(self.addrs["coordinator"]) as ch:
+        async with dial(self.addrs["coordinator"], self.tls_for("admin")) as ch:
             r = await coordinator_pb2_grpc.CoordinatorStub(ch).ListShards(coordinator_pb2.ListShardsRequest(), timeout=5)
             return len(r.shards)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from bigfleet.observability import get_logger
-from bigfleet.rpc import insecure_channel
+from bigfleet.security import TLSConfig, dial
 from bigfleet.sim.harness import BLOB, SimCluster
 from bigfleet.v1alpha1 import provider_pb2, shard_pb2, shard_pb2_grpc
 
@@ -27,6 +27,8 @@ S = provider_pb2.MachineState
 class WireOperator:
     model: SimCluster
     target: str
+    # mTLS with this cluster's own certificate (the shard pins a Session to the cluster it names).
+    tls: TLSConfig | None = None
     rollups: int = 0
     bootstraps: int = 0
     reclaims: int = 0
@@ -89,7 +91,7 @@ class WireOperator:
             self._cut.clear()
 
     async def _session(self) -> None:
-        async with insecure_channel(self.target) as ch:
+        async with dial(self.target, self.tls) as ch:
             call = shard_pb2_grpc.ShardStub(ch).Session()
             await call.write(shard_pb2.OperatorMessage(
                 hello=shard_pb2.Hello(cluster_id=self.cluster_id, protocol_version="v1alpha1")))

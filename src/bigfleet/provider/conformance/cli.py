@@ -4,6 +4,11 @@
     bigfleet conformance --lanes core,fault,durability,scale \\
         --provider-cmd "bigfleet fake-provider --listen {listen} --state-file {state_file} --seed-count {seed_count}"
 
+Over mTLS (``--tls-cert/--tls-key/--tls-ca``, all three or none) the suite dials the provider with that
+certificate. A provider that pins shard certificates to the fenced ``shard_id`` (as the provider kit
+does) needs ``--tls-ca-key`` too: the suite then issues a short-lived shard certificate for every shard id
+it fences with.
+
 Exits 0 when no check failed (skips do not fail the run unless --strict).
 """
 
@@ -13,7 +18,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from bigfleet.provider.conformance.dialer import Transport
 from bigfleet.provider.conformance.runner import LANES, Params, Result, print_table, run_suite, write_junit
+from bigfleet.security import add_tls_arguments, tls_from_args_or_exit
 
 
 def parser() -> argparse.ArgumentParser:
@@ -37,11 +44,20 @@ def parser() -> argparse.ArgumentParser:
                         "TIMEOUT)")
     p.add_argument("--settle-timeout", type=float, default=15.0, help="seconds a transition may take to settle")
     p.add_argument("--quiet", action="store_true", help="print only the final table")
+    add_tls_arguments(p)
+    p.add_argument("--tls-ca-key", default="",
+                   help="PEM key of --tls-ca: issue a shard certificate per fenced shard id (needs --tls-*)")
     return p
 
 
 def main(argv: list[str]) -> int:
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    tls = tls_from_args_or_exit(ap, args)
+    if args.tls_ca_key and tls is None:
+        ap.error("--tls-ca-key needs --tls-cert, --tls-key and --tls-ca")
+    if args.tls_ca_key and not Path(args.tls_ca_key).is_file():
+        ap.error(f"--tls-ca-key {args.tls_ca_key!r} is not a readable file")
     lanes = [lane.strip() for lane in args.lanes.split(",") if lane.strip()]
     unknown = [lane for lane in lanes if lane not in LANES]
     if unknown:
@@ -53,6 +69,7 @@ def main(argv: list[str]) -> int:
     params = Params(
         fault_timeout=args.fault_timeout, scale_machines=args.scale_machines, scale_burst=args.scale_burst,
         list_budget=args.list_budget, rpc_budget=args.rpc_budget_ms / 1000.0, settle_timeout=args.settle_timeout,
+        transport=Transport(tls, Path(args.tls_ca_key) if args.tls_ca_key else None),
     )
 
     def progress(r: Result) -> None:

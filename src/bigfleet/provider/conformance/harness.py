@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from bigfleet.rpc import channel_options
+from bigfleet.provider.conformance.dialer import Transport
 from bigfleet.v1alpha1 import provider_pb2 as pb
 from bigfleet.v1alpha1 import provider_pb2_grpc as pbg
 
@@ -86,20 +86,26 @@ class ShardSession:
 
 
 class Harness:
-    def __init__(self, target: str, call_timeout: float = 30.0, settle_timeout: float = 15.0) -> None:
+    def __init__(self, target: str, call_timeout: float = 30.0, settle_timeout: float = 15.0,
+                 transport: Transport | None = None) -> None:
         self.target = target
         self.call_timeout = call_timeout
         self.settle_timeout = settle_timeout
-        self.channel = grpc.insecure_channel(target, options=channel_options())
+        self.dialer = (transport or Transport()).dialer(target)
+        self.channel = self.dialer.channel()
         self.stub = pbg.CapacityProviderStub(self.channel)
         self._delete_supported: bool | None = None
 
     def close(self) -> None:
-        self.channel.close()
+        self.dialer.close()
 
     def second_connection(self) -> tuple[grpc.Channel, pbg.CapacityProviderStub]:
-        ch = grpc.insecure_channel(self.target, options=channel_options([("grpc.use_local_subchannel_pool", 1)]))
+        ch = self.dialer.channel([("grpc.use_local_subchannel_pool", 1)])
         return ch, pbg.CapacityProviderStub(ch)
+
+    def _stub(self, tok: Token, stub: Any) -> Any:
+        """An explicit stub wins; else one that may act as the token's shard (mTLS), else the default."""
+        return stub or self.dialer.stub_for_shard(tok.shard) or self.stub
 
     # ---- raw calls ---------------------------------------------------------------------------------
 
@@ -125,27 +131,27 @@ class Harness:
         return bytes(self.list().revision)
 
     def create(self, mid: str, tok: Token = ZERO, stub: Any = None) -> pb.TransitionAck:
-        out: pb.TransitionAck = (stub or self.stub).Create(
+        out: pb.TransitionAck = self._stub(tok, stub).Create(
             pb.CreateRequest(machine_id=mid, shard_id=tok.shard, shard_epoch=tok.epoch, sequence_number=tok.seq),
             timeout=self.call_timeout)
         return out
 
     def configure(self, mid: str, cluster: str = "conf-cluster", md: dict[str, str] | None = None,
                   tok: Token = ZERO, blob: bytes = BLOB, stub: Any = None) -> pb.TransitionAck:
-        out: pb.TransitionAck = (stub or self.stub).Configure(
+        out: pb.TransitionAck = self._stub(tok, stub).Configure(
             pb.ConfigureRequest(machine_id=mid, cluster_id=cluster, bootstrap_blob=blob, shard_id=tok.shard,
                                 shard_epoch=tok.epoch, sequence_number=tok.seq, shard_metadata=md or {}),
             timeout=self.call_timeout)
         return out
 
     def drain(self, mid: str, grace: int = 0, tok: Token = ZERO, stub: Any = None) -> pb.TransitionAck:
-        out: pb.TransitionAck = (stub or self.stub).Drain(
+        out: pb.TransitionAck = self._stub(tok, stub).Drain(
             pb.DrainRequest(machine_id=mid, grace_period_seconds=grace, shard_id=tok.shard, shard_epoch=tok.epoch,
                             sequence_number=tok.seq), timeout=self.call_timeout)
         return out
 
     def delete(self, mid: str, tok: Token = ZERO, stub: Any = None) -> pb.TransitionAck:
-        out: pb.TransitionAck = (stub or self.stub).Delete(
+        out: pb.TransitionAck = self._stub(tok, stub).Delete(
             pb.DeleteRequest(machine_id=mid, shard_id=tok.shard, shard_epoch=tok.epoch, sequence_number=tok.seq),
             timeout=self.call_timeout)
         return out

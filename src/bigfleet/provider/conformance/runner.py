@@ -8,7 +8,9 @@ Lanes that need to launch a provider are skipped, with the reason, when no
 command is given.
 
 The command template may use ``{listen}`` (HOST:PORT), ``{host}``, ``{port}``,
-``{state_file}`` and ``{seed_count}``; the suite fills them in.
+``{state_file}`` and ``{seed_count}``; the suite fills them in. Under mTLS (``Params.transport``) the
+suite dials every provider, launched or not, with the given certificate; the command must start the
+provider with its own server certificate.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from bigfleet.provider.conformance.checks import Check, Ctx, checks_for, durability_before
+from bigfleet.provider.conformance.dialer import Transport
 from bigfleet.provider.conformance.harness import CheckFailed, Harness, Skip
 from bigfleet.provider.kit.faults import ENV_ENABLE, ENV_TIMEOUT
 from bigfleet.testing import free_port
@@ -56,6 +59,7 @@ class Params:
     settle_timeout: float = 15.0
     start_timeout: float = 60.0
     extra: dict[str, Any] = field(default_factory=dict)
+    transport: Transport = field(default_factory=Transport)
 
     def as_dict(self) -> dict[str, Any]:
         return {"fault_timeout": self.fault_timeout, "scale_machines": self.scale_machines,
@@ -70,10 +74,12 @@ class LaunchError(RuntimeError):
 class Launcher:
     """Starts the provider under test from a command template; kill/stop like an operator would."""
 
-    def __init__(self, template: str, workdir: Path, start_timeout: float = 60.0) -> None:
+    def __init__(self, template: str, workdir: Path, start_timeout: float = 60.0,
+                 transport: Transport | None = None) -> None:
         if "{listen}" not in template and "{port}" not in template:
             raise LaunchError("--provider-cmd must contain {listen} or {port} so the suite can pick the port")
         self.template = template
+        self.transport = transport
         self.workdir = workdir
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen[bytes] | None = None
@@ -98,7 +104,7 @@ class Launcher:
                                      start_new_session=True)
         log.close()
         target = values["listen"]
-        h = Harness(target, call_timeout=2.0)
+        h = Harness(target, call_timeout=2.0, transport=self.transport)
         deadline = time.monotonic() + self.start_timeout
         try:
             while True:
@@ -160,7 +166,7 @@ def _lane_failed(lane: str, why: str) -> list[Result]:
 
 def _run_lane(lane: str, target: str, params: Params, shared: dict[str, Any] | None = None,
               only: set[str] | None = None, on_result: Callable[[Result], None] | None = None) -> list[Result]:
-    h = Harness(target, settle_timeout=params.settle_timeout)
+    h = Harness(target, settle_timeout=params.settle_timeout, transport=params.transport)
     ctx = Ctx(h, params.as_dict(), shared if shared is not None else {})
     out = []
     try:
@@ -216,7 +222,7 @@ def run_suite(
     launcher: Launcher | None = None
     if provider_cmd:
         try:
-            launcher = Launcher(provider_cmd, workdir, params.start_timeout)
+            launcher = Launcher(provider_cmd, workdir, params.start_timeout, params.transport)
         except LaunchError as exc:
             for lane in lanes:
                 emit(_lane_failed(lane, str(exc)))
@@ -280,7 +286,7 @@ def emit_durability(launcher: Launcher, workdir: Path, params: Params,
     except LaunchError as exc:
         emit(_lane_failed("durability", str(exc)))
         return
-    h = Harness(target, settle_timeout=params.settle_timeout)
+    h = Harness(target, settle_timeout=params.settle_timeout, transport=params.transport)
     try:
         shared["before"] = durability_before(h)
     except Exception as exc:
@@ -298,7 +304,7 @@ def emit_durability(launcher: Launcher, workdir: Path, params: Params,
         return
     try:
         run("durability", target, shared, {c.id for c in checks_for("durability")} - {GRACEFUL})
-        h = Harness(target, settle_timeout=params.settle_timeout)
+        h = Harness(target, settle_timeout=params.settle_timeout, transport=params.transport)
         try:
             shared["graceful_before"] = {m.id: m.SerializeToString(deterministic=True) for m in h.list().machines}
         finally:
