@@ -60,6 +60,8 @@ def node_state_update(pb: provider_pb2.Machine, cluster_id: str) -> shard_pb2.Sh
             last_error=pb.last_error,
             labels=labels,
             resources=provider_pb2.Resources(resources=dict(res.resources)),
+            # What the provider declares the node registers with (provider.proto Machine.taints).
+            taints=[shard_pb2.Taint(key=t.key, value=t.value, effect=t.effect) for t in pb.taints],
         )
     )
 

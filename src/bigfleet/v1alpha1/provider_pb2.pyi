@@ -208,6 +208,7 @@ class Machine(_message.Message):
     ALLOCATABLE_FIELD_NUMBER: _builtins.int
     CLUSTER_FIELD_NUMBER: _builtins.int
     SHARD_METADATA_FIELD_NUMBER: _builtins.int
+    TAINTS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """BigFleet's id; never changes over the machine's life."""
     state: Global___MachineState.ValueType
@@ -242,6 +243,14 @@ class Machine(_message.Message):
         with `cluster`.
         """
 
+    @_builtins.property
+    def taints(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeTaint]:
+        """Taints the node registers with (e.g. a GPU pool's kubelet
+        --register-with-taints). Python addition; the shard forwards them in
+        NodeStateUpdate.taints so the UpcomingNode carries them before the Node
+        exists. Empty when the provider does not know or declare any.
+        """
+
     def __init__(
         self,
         *,
@@ -259,14 +268,45 @@ class Machine(_message.Message):
         allocatable: Global___Resources | None = ...,
         cluster: _builtins.str = ...,
         shard_metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        taints: _abc.Iterable[Global___NodeTaint] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["allocatable", b"allocatable", "host", b"host", "resources", b"resources"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocatable", b"allocatable", "capacity_type", b"capacity_type", "cluster", b"cluster", "host", b"host", "id", b"id", "instance_type", b"instance_type", "interruption_probability", b"interruption_probability", "labels", b"labels", "last_error", b"last_error", "price_per_hour", b"price_per_hour", "resources", b"resources", "shard_metadata", b"shard_metadata", "state", b"state", "zone", b"zone"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocatable", b"allocatable", "capacity_type", b"capacity_type", "cluster", b"cluster", "host", b"host", "id", b"id", "instance_type", b"instance_type", "interruption_probability", b"interruption_probability", "labels", b"labels", "last_error", b"last_error", "price_per_hour", b"price_per_hour", "resources", b"resources", "shard_metadata", b"shard_metadata", "state", b"state", "taints", b"taints", "zone", b"zone"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Machine: _TypeAlias = Machine  # noqa: Y015
+
+@_typing.final
+class NodeTaint(_message.Message):
+    """A Kubernetes taint declared by a provider; same fields and numbers as
+    shard.proto's Taint (a separate message because shard.proto imports this file).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    EFFECT_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    value: _builtins.str
+    effect: _builtins.str
+    """NoSchedule, PreferNoSchedule or NoExecute."""
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        value: _builtins.str = ...,
+        effect: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["effect", b"effect", "key", b"key", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeTaint: _TypeAlias = NodeTaint  # noqa: Y015
 
 @_typing.final
 class MachineRef(_message.Message):

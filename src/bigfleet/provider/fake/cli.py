@@ -6,7 +6,7 @@ import argparse
 
 from bigfleet.provider.fake.backend import Dwell, FaultPlan, FaultRule, SimulatedCloud
 from bigfleet.provider.fake.catalog import build_catalog
-from bigfleet.provider.kit.model import Kind
+from bigfleet.provider.kit.model import TAINT_EFFECTS, Kind, Taint
 from bigfleet.provider.kit.runner import add_common_args, run
 
 
@@ -15,6 +15,15 @@ def _label(text: str) -> tuple[str, str]:
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     return key, value
+
+
+def _taint(text: str) -> Taint:
+    """``KEY[=VALUE]:EFFECT``, kubectl's spelling."""
+    kv, sep, effect = text.rpartition(":")
+    key, _, value = kv.partition("=")
+    if not sep or not key or effect not in TAINT_EFFECTS:
+        raise argparse.ArgumentTypeError(f"expected KEY[=VALUE]:EFFECT with EFFECT in {TAINT_EFFECTS}, got {text!r}")
+    return Taint(key, effect, value)
 
 
 def _kinds(text: str) -> frozenset[Kind]:
@@ -55,6 +64,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prebind-file", default="",
                    help="JSON seed of catalog machines that start CONFIGURED for a cluster (bigfleet scaletest "
                         "--prebind writes one); not with --state-file")
+    p.add_argument("--node-taint", action="append", default=[], type=_taint, metavar="KEY[=VALUE]:EFFECT",
+                   help="a taint every node of this provider registers with (repeatable); reported on each "
+                        "machine and forwarded by the shard to the UpcomingNode")
     return p
 
 
@@ -76,6 +88,8 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     catalog = build_catalog(args.seed_count, args.committed_count, args.provider_name)
+    for inst in catalog:
+        inst.taints = tuple(args.node_taint)
     backend = SimulatedCloud(
         catalog, args.provider_name,
         Dwell(args.create_delay, args.configure_delay, args.drain_delay, args.delete_delay), faults,

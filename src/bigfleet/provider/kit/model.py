@@ -62,6 +62,18 @@ FORBIDDEN_LABEL_KEYS = frozenset({
 })
 
 
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+@dataclass(frozen=True)
+class Taint:
+    """A taint the node registers with; forwarded by the shard to the UpcomingNode."""
+
+    key: str
+    effect: str
+    value: str = ""
+
+
 class KitError(Exception):
     """An RPC rejection: carries the gRPC status code the contract names."""
 
@@ -111,6 +123,7 @@ class Instance:
     resources: dict[str, str] = field(default_factory=dict)
     allocatable: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
+    taints: tuple[Taint, ...] = ()
     host: HostRef | None = None
     # Only SPECULATIVE (a quota slot) or IDLE (an existing host); None = infer from host.
     state: State | None = None
@@ -134,6 +147,7 @@ class MachineRecord:
     resources: dict[str, str] = field(default_factory=dict)
     allocatable: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
+    taints: tuple[Taint, ...] = ()
     host: HostRef = field(default_factory=HostRef)
     cluster: str = ""
     shard_metadata: dict[str, str] = field(default_factory=dict)
@@ -161,7 +175,7 @@ class MachineRecord:
             id=self.id, state=self.state, instance_type=self.instance_type, zone=self.zone,
             capacity_type=self.capacity_type, price_per_hour=self.price_per_hour,
             interruption_probability=self.interruption_probability, resources=self.resources,
-            allocatable=self.allocatable, labels=self.labels,
+            allocatable=self.allocatable, labels=self.labels, taints=self.taints,
             host=HostRef(self.host.provider, self.host.ref), cluster=self.cluster,
             shard_metadata=self.shard_metadata, last_error=self.last_error, op_id=self.op_id,
             modified=self.modified, _wire=self._wire, _static=self._static, _framed=self._framed,
@@ -174,6 +188,7 @@ class MachineRecord:
             price_per_hour=self.price_per_hour,
             interruption_probability=self.interruption_probability, labels=self.labels,
             last_error=self.last_error, cluster=self.cluster, shard_metadata=self.shard_metadata,
+            taints=_taints_pb(self.taints),
         )
         if not self.host.empty:
             m.host.provider = self.host.provider
@@ -204,7 +219,7 @@ class MachineRecord:
                     instance_type=self.instance_type, zone=self.zone,
                     capacity_type=int(self.capacity_type),  # type: ignore[arg-type]
                     price_per_hour=self.price_per_hour, interruption_probability=self.interruption_probability,
-                    labels=self.labels,
+                    labels=self.labels, taints=_taints_pb(self.taints),
                 )
                 if self.resources:
                     m.resources.resources.update(self.resources)
@@ -230,6 +245,8 @@ class MachineRecord:
             "capacity_type": self.capacity_type.name, "price_per_hour": self.price_per_hour,
             "interruption_probability": self.interruption_probability, "resources": self.resources,
             "allocatable": self.allocatable, "labels": self.labels,
+            **({"taints": [{"key": t.key, "value": t.value, "effect": t.effect} for t in self.taints]}
+               if self.taints else {}),
             "host": {"provider": self.host.provider, "ref": self.host.ref}, "cluster": self.cluster,
             "shard_metadata": self.shard_metadata, "last_error": self.last_error, "op_id": self.op_id,
         }
@@ -247,7 +264,20 @@ class MachineRecord:
             labels=_str_map(d.get("labels")), host=HostRef(str(host.get("provider", "")), str(host.get("ref", ""))),
             cluster=str(d.get("cluster", "")), shard_metadata=_str_map(d.get("shard_metadata")),
             last_error=str(d.get("last_error", "")), op_id=str(d.get("op_id", "")),
+            taints=_taints_json(d.get("taints")),
         )
+
+
+def _taints_pb(taints: tuple[Taint, ...]) -> list[provider_pb2.NodeTaint]:
+    return [provider_pb2.NodeTaint(key=t.key, value=t.value, effect=t.effect) for t in taints]
+
+
+def _taints_json(v: object) -> tuple[Taint, ...]:
+    if not v:
+        return ()
+    if not isinstance(v, list):
+        raise ValueError(f"expected a list of taints, got {type(v).__name__}")
+    return tuple(Taint(str(t["key"]), str(t["effect"]), str(t.get("value", ""))) for t in v)
 
 
 def _varint(n: int) -> bytes:
@@ -305,6 +335,9 @@ def validate_instance(inst: Instance, require_zone: bool = False) -> State:
     bad = FORBIDDEN_LABEL_KEYS.intersection(inst.labels)
     if bad:
         raise InvalidRecord(f"{where}: labels duplicate top-level fields: {sorted(bad)}")
+    for t in inst.taints:
+        if not t.key or t.effect not in TAINT_EFFECTS:
+            raise InvalidRecord(f"{where}: taint {t!r} needs a key and an effect in {TAINT_EFFECTS}")
     for name, qty in (*inst.resources.items(), *inst.allocatable.items()):
         if not _valid_quantity(qty):
             raise InvalidRecord(f"{where}: resource {name}={qty!r} is not a quantity")
@@ -326,4 +359,5 @@ def record_from_instance(inst: Instance, state: State) -> MachineRecord:
         capacity_type=CapacityType(inst.capacity_type), price_per_hour=float(inst.price_per_hour),
         interruption_probability=float(inst.interruption_probability), resources=dict(inst.resources),
         allocatable=dict(inst.allocatable), labels=dict(inst.labels), host=HostRef(host.provider, host.ref),
+        taints=tuple(inst.taints),
     )
