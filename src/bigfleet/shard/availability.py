@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from bigfleet.machine import Machine, MachineShape, MachineState
 from bigfleet.needs import Need, Requirement, requirement_to_proto
@@ -52,12 +53,17 @@ def availability_for(requirements: Sequence[Requirement], supply: Mapping[Machin
     idle = spec = 0
     idle_cost = spec_cost = float("inf")
     shape_res: Mapping[str, str] = {}
+    best: tuple[Any, ...] | None = None
     for shape, s in supply.items():
         labels = shape.match_labels
         if not all(r.matches(labels) for r in requirements):
             continue
-        if not shape_res:
-            shape_res = shape.resources.to_wire()
+        # The advertised shape: the cheapest one the supply would come from (idle first), with a
+        # total order so the answer never depends on the order machines were seen in.
+        res = shape.resources.to_wire()
+        key = (0 if s.idle else 1, shape.price_per_hour, sorted(res.items()))
+        if best is None or key < best:
+            best, shape_res = key, res
         if s.idle:
             idle += s.idle
             idle_cost = min(idle_cost, shape.price_per_hour)

@@ -47,8 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spot-hold-seconds", type=int, help="idle spot release hold (<= 0: never)")
     p.add_argument("--no-empty-rollup-guard", dest="empty_rollup_guard", action="store_const", const=False)
     p.add_argument("--dry-run", action="store_const", const=True)
-    p.add_argument("--engine-fork", action="store_const", const=True,
-                   help="run each cycle's engine in a forked child (keeps the GIL free for sessions)")
+    p.add_argument("--engine-mode", choices=["worker", "thread", "inline", "fork"],
+                   help="where the decision engine runs: worker (default: a long-lived process fed deltas), "
+                        "thread, inline (on the event loop), fork (a forked child per cycle)")
+    p.add_argument("--engine-timeout", type=float, help="seconds before a silent engine worker is replaced")
+    p.add_argument("--engine-fork", action="store_const", const=True, help="same as --engine-mode fork")
     p.add_argument("--paused", action="store_const", const=True)
     ha = p.add_argument_group("replica group (shard HA, off unless --raft-bind is given)")
     ha.add_argument("--replica-id", help="this replica's name (logs, metrics)")
@@ -238,4 +241,6 @@ def daemon_config(settings: Any, epoch: int) -> Any:
         ),
         guard=GuardConfig(enabled=settings.empty_rollup_guard),
         compute_fork=settings.engine_fork,
+        engine_mode=settings.engine_mode,
+        engine_timeout=settings.engine_timeout,
     )

@@ -14,8 +14,9 @@ import os
 import pickle
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from itertools import chain
 from typing import Any
 
 import grpc
@@ -26,10 +27,11 @@ from bigfleet.decision import (  # imported up front: a forked child must not ne
 )
 from bigfleet.decision.types import Configure, Create, Decision, Delete, Drain, EngineConfig
 from bigfleet.machine import MachineState
-from bigfleet.needs import Need, ValidationError, requirement_to_proto, rollup_from_proto
+from bigfleet.needs import Need, ValidationError, requirement_to_proto, rollup_from_proto, snapshot_sort_key
 from bigfleet.observability import get_logger
 from bigfleet.security.limits import LimitExceeded, check_rollup
-from bigfleet.shard import availability
+from bigfleet.shard import availability, engineproc
+from bigfleet.shard.engineproc import verdict_row
 from bigfleet.shard.executor import Binding, Executor, ExecutorConfig
 from bigfleet.shard.guard import EmptyRollupGuard, GuardConfig
 from bigfleet.shard.metrics import ShardMetrics
@@ -65,18 +67,52 @@ class DaemonConfig:
     # Run each cycle's engine in a forked child (copy-on-write inputs, no GIL shared with the
     # session loop); only actions, shortfalls, state and compact verdict rows come back.
     compute_fork: bool = False
+    # Where the engine runs: "worker" (a long-lived process fed deltas, bigfleet.shard.engineproc),
+    # "thread" (this process, off the loop), "inline" (on the loop), "fork" (a child per cycle).
+    # compute_inline / compute_fork, when set, win (the simulator sets compute_inline).
+    engine_mode: str = "worker"
+    # A worker that has not answered a cycle in this long is killed and replaced (full resync).
+    engine_timeout: float = 120.0
+
+    @property
+    def mode(self) -> str:
+        if self.compute_inline:
+            return "inline"
+        if self.compute_fork:
+            return "fork"
+        if self.engine_mode not in ENGINE_MODES:
+            raise ValueError(f"engine mode must be one of {ENGINE_MODES}, got {self.engine_mode!r}")
+        return self.engine_mode
 
 
-@dataclass
+ENGINE_MODES = ("worker", "thread", "inline", "fork")
+
+
 class CycleRecord:
-    """What ShardRead serves: the last cycle's inputs and verdicts (soft state)."""
+    """What ShardRead serves: the last cycle's inputs and verdicts (soft state).
 
-    cycle: int = 0
-    computed_at_unix_nanos: int = 0
-    needs: tuple[Need, ...] = ()
-    decision: Decision | None = None
-    # Fork mode: verdicts as compact rows keyed by (cluster, fingerprint) (see verdict_row()).
-    verdict_rows: dict[tuple[str, str], tuple[Any, ...]] = field(default_factory=dict)
+    The needs may be given per cluster (the tuples the table held at the cycle); the flat sorted
+    tuple is then built on first read, so a cycle does not sort 50 000 needs on the session loop
+    for a reader that may never come."""
+
+    def __init__(self, cycle: int = 0, computed_at_unix_nanos: int = 0, needs: tuple[Need, ...] | None = (),
+                 decision: Decision | None = None, verdict_rows: dict[tuple[str, str], tuple[Any, ...]] | None = None,
+                 by_cluster: Mapping[str, tuple[Need, ...]] | None = None) -> None:
+        self.cycle = cycle
+        self.computed_at_unix_nanos = computed_at_unix_nanos
+        self.decision = decision
+        # Worker and fork modes: verdicts as compact rows keyed by (cluster, fingerprint) (see verdict_row()).
+        self.verdict_rows = verdict_rows if verdict_rows is not None else {}
+        self._needs = needs if by_cluster is None else None
+        self._by_cluster = by_cluster
+
+    @property
+    def needs(self) -> tuple[Need, ...]:
+        if self._needs is None:
+            rows = [n for ns in (self._by_cluster or {}).values() for n in ns]
+            rows.sort(key=snapshot_sort_key)
+            self._needs = tuple(rows)
+        return self._needs
 
 
 class ShardDaemon:
@@ -120,7 +156,11 @@ class ShardDaemon:
         # a steady cycle costs what changed (its output is identical to a fresh decide()). Used by one
         # cycle at a time (never concurrently); a forked child gets a fresh decide() instead.
         self.engine = Engine()
+        self.engine_mode = config.mode
+        self._feed = engineproc.MirrorFeed()
+        self._worker = engineproc.EngineWorker(config.engine_timeout) if self.engine_mode == "worker" else None
         self._accepted_digest: dict[str, bytes] = {}
+        self._suppressed_counts: dict[str, int] | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         # Cross-shard handoff (bigfleet.shard.handoff): which provider machines are ours (None = all),
         # clusters/machines being handed away (no cycle decides for them, no action touches them),
@@ -245,56 +285,114 @@ class ShardDaemon:
             return None
         engine_cfg = replace(self.config.engine, paused=self.paused, dry_run=self.dry_run)
         now = self.config.wall_ns()
-        snapshot = tuple(self.store.table.snapshot())
-        # Immutable inputs (Need and Machine records are frozen; the containers are copies), so the
-        # engine can run on a worker thread while the loop keeps serving sessions.
-        machines = list(self.view.machines())
-        if self.frozen_clusters or self.frozen_machines:  # being handed off: invisible to the engine
-            fc, fm = self.frozen_clusters, self.frozen_machines
-            snapshot = tuple(n for n in snapshot if n.cluster_id not in fc)
-            machines = [m for m in machines if m.id not in fm and m.cluster not in fc]
-        busy = frozenset(self.view.inflight)
-        connected = [n for n in snapshot if self.sessions.get(n.cluster_id) is not None]
+        fc, fm = self.frozen_clusters, self.frozen_machines
         t0 = time.perf_counter()
         rows: dict[tuple[str, str], tuple[Any, ...]] = {}
-        if self.config.compute_inline:
-            decision, hints = _compute(
-                snapshot, machines, busy, connected, now, self.store.engine_state(), engine_cfg, self.engine
-            )
-        elif self.config.compute_fork:
-            decision, hints, rows = await _compute_forked(
-                snapshot, machines, busy, connected, now, self.store.engine_state(), engine_cfg
-            )
+        suppressed_counts: dict[str, int] | None = None
+        snapshot: tuple[Need, ...] | None = None
+        by_cluster: dict[str, tuple[Need, ...]] | None = None
+        if self._worker is not None:
+            # Per-cluster tuples (O(clusters)), not the table's sorted snapshot (O(needs log needs)
+            # on the loop whenever any cluster changed).
+            table = self.store.table
+            by_cluster = {c: table.cluster(c) for c in table.clusters() if c not in fc}
+            decision, hints, rows, suppressed_counts = await self._compute_in_worker(now, engine_cfg)
         else:
-            decision, hints = await asyncio.to_thread(
-                _compute, snapshot, machines, busy, connected, now, self.store.engine_state(), engine_cfg, self.engine
-            )
+            snapshot = tuple(self.store.table.snapshot())
+            if fc:  # being handed off: invisible to the engine
+                snapshot = tuple(n for n in snapshot if n.cluster_id not in fc)
+            self.view.take_dirty()  # (only the worker's mirror consumes change tracking)
+            # Immutable inputs (Need and Machine records are frozen; the containers are copies), so the
+            # engine can run on a worker thread while the loop keeps serving sessions.
+            machines = list(self.view.machines())
+            if fc or fm:
+                machines = [m for m in machines if m.id not in fm and m.cluster not in fc]
+            busy = frozenset(self.view.inflight)
+            connected = [n for n in snapshot if self.sessions.get(n.cluster_id) is not None]
+            if self.engine_mode == "inline":
+                decision, hints = _compute(
+                    snapshot, machines, busy, connected, now, self.store.engine_state(), engine_cfg, self.engine
+                )
+            elif self.engine_mode == "fork":
+                decision, hints, rows = await _compute_forked(
+                    snapshot, machines, busy, connected, now, self.store.engine_state(), engine_cfg
+                )
+            else:
+                decision, hints = await asyncio.to_thread(
+                    _compute, snapshot, machines, busy, connected, now, self.store.engine_state(), engine_cfg,
+                    self.engine,
+                )
         self._last_compute = time.perf_counter() - t0
         self.metrics.phase_duration.labels("decide").observe(self._last_compute)
         self.store.save_engine_state(decision.state)
         self.cycles += 1
         self.metrics.cycles.inc()
         t1 = time.perf_counter()
+        self._suppressed_counts = suppressed_counts
         self._execute(decision)
         self.metrics.phase_duration.labels("execute").observe(time.perf_counter() - t1)
         self.metrics.shortfalls.set(len(decision.shortfalls))
-        self.last = CycleRecord(self.cycles, now, snapshot, decision, rows)
+        self.last = CycleRecord(self.cycles, now, snapshot, decision, rows, by_cluster=by_cluster)
         for observe in self.cycle_observers:
             try:
                 observe(self.last)
             except Exception as exc:  # an observer must never stop cycles
                 log.warning("cycle observer failed", error=str(exc))
-        await self._emit_availability(connected, hints)
+        await self._emit_availability(
+            snapshot if snapshot is not None else chain.from_iterable((by_cluster or {}).values()), hints)
         self._update_inventory_gauge()
         self.metrics.cycle_duration.observe(time.perf_counter() - cycle_started)
         if decision.follow_up:
             self.trigger()
         return decision
 
+    async def _compute_in_worker(self, now: int, cfg: EngineConfig) -> tuple[
+            Decision, dict[Any, availability.Availability], dict[tuple[str, str], tuple[Any, ...]], dict[str, int]]:
+        """One cycle in the engine worker: send what changed, get the decision back. A dead, stuck
+        or out-of-step worker is replaced (or resynced) and the cycle retried once."""
+        worker, feed = self._worker, self._feed
+        assert worker is not None
+        last_error = ""
+        for attempt in (1, 2):
+            if not worker.alive():
+                if worker.proc is not None:  # it died since the last cycle
+                    log.warning("engine worker exited; starting a new one (full resync)",
+                                exit_code=worker.returncode(), pid=worker.pid)
+                    self.metrics.engine_worker_restarts.inc()
+                    await worker.discard()
+                worker.start()
+                feed.reset()
+            req = feed.build(self.view, self.store.table, self.view.inflight, now, self.store.engine_state(), cfg,
+                             self.frozen_clusters, self.frozen_machines)
+            if req.base == engineproc.RESYNC:
+                self.metrics.engine_worker_resyncs.inc()
+            try:
+                reply = await worker.call(req)
+            except engineproc.WorkerGone as exc:
+                last_error = str(exc)
+                log.warning("engine worker failed; replacing it", error=last_error, attempt=attempt, pid=worker.pid)
+                await worker.discard()
+                self.metrics.engine_worker_restarts.inc()
+                feed.reset()
+                continue
+            if reply.status == "ok":
+                decision = feed.accept(req, reply)
+                self.metrics.phase_duration.labels("engine_worker").observe(reply.compute_seconds)
+                return decision, reply.hints, feed.rows, reply.suppressed_counts
+            feed.reset()
+            last_error = reply.error
+            if reply.status == "resync":
+                log.info("engine worker asked for a full resync", reason=reply.error, attempt=attempt)
+                continue
+            raise RuntimeError(f"engine worker: {reply.error}")
+        raise RuntimeError(f"engine worker: no decision after a restart ({last_error})")
+
     def _execute(self, decision: Decision) -> None:
         from collections import Counter
 
-        suppressed = Counter(type(a).__name__ for a in decision.suppressed)
+        # (the worker ships only a sample of suppressed actions, with the full counts beside them)
+        counts, self._suppressed_counts = self._suppressed_counts, None
+        suppressed = counts if counts is not None else Counter(type(a).__name__ for a in decision.suppressed)
         counter = self.metrics.actions_dryrun if decision.mode == "dry_run" else self.metrics.actions_suppressed
         for kind, n in suppressed.items():
             counter.labels(kind).inc(n)
@@ -343,17 +441,22 @@ class ShardDaemon:
         window = int(2 * self.config.executor.execute_timeout * 1e9)
         now = self.config.wall_ns()
         n = 0
-        for m in self.view.machines():
-            if m.state == MachineState.CREATING and m.id not in self.view.inflight \
+        for mid in self.view.creating:
+            m = self.view.machine(mid)
+            if m is not None and m.state == MachineState.CREATING and mid not in self.view.inflight \
                     and now - m.state_since_unix_nanos < window:
                 n += 1
         return n
 
-    async def _emit_availability(self, needs: list[Need], hints: dict[Any, availability.Availability]) -> None:
+    async def _emit_availability(self, needs: Iterable[Need], hints: dict[Any, availability.Availability]) -> None:
+        """Send due AvailableCapacityUpdates to the connected clusters among ``needs``."""
         now = self.config.clock()
+        get = self.sessions.get
         for i, need in enumerate(needs):
             if i % 2000 == 1999:
                 await asyncio.sleep(0)  # long lists must not hold the loop
+            if get(need.cluster_id) is None:
+                continue
             a = hints.get(need.requirements)
             if a is not None and self.availability.due(need.cluster_id, need.fingerprint, a, now):
                 self.sessions.send(need.cluster_id, availability.update_message(need, a))
@@ -402,6 +505,8 @@ class ShardDaemon:
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self._worker is not None and not self._worker.alive():
+            self._worker.start()  # imports while the first reconcile runs
         self._tasks.append(asyncio.create_task(self._start_loops(), name="shard-loops"))
         if not self.config.compute_inline:  # (the simulator's virtual clock has no real lag)
             self._tasks.append(asyncio.create_task(self._watch_loop_lag(), name="shard-loop-lag"))
@@ -426,6 +531,8 @@ class ShardDaemon:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._worker is not None:
+            await self._worker.stop()
         await self.executor.drain_all(drain_timeout)
         await self.provider.close()
 
@@ -469,17 +576,6 @@ def _compute(
     """The pure part of a cycle (runs on a worker thread or in a forked child)."""
     decision = (engine.decide if engine is not None else decide)(snapshot, machines, now, state, cfg)
     return decision, availability.compute(connected, machines, busy)
-
-
-def verdict_row(v: Any) -> tuple[Any, ...]:
-    """A Verdict as plain data (cheap to unpickle in bulk); field order is what readsvc reads."""
-    ms = v.matching_supply
-    freed = v.capacity_freed.to_wire() if v.capacity_freed is not None else None
-    return (v.satisfied, v.claimed_count, v.bootstrap_count, v.provision_count, v.same_domain,
-            v.same_satisfiable, v.parked, v.parked_age_cycles, v.age_cycles_unmet, int(v.unmet_reason),
-            tuple(v.deficit.to_wire().items()) if not v.satisfied else (),
-            (ms.idle, ms.configured, ms.speculative, ms.capped), v.victims_found,
-            tuple(freed.items()) if freed else ())
 
 
 def _child_compute(w: int, args: tuple[Any, ...]) -> None:

@@ -69,6 +69,15 @@ class ShardMetrics:
         self.bootstrap_duration = Histogram(
             "bigfleet_shard_request_bootstrap_seconds", "Bootstrap pull round trip", buckets=_exp(0.01, 2, 16), registry=r
         )
+        # The engine worker process (shard/engineproc.py).
+        self.engine_worker_restarts = Counter(
+            "bigfleet_shard_engine_worker_restarts_total", "Engine worker processes replaced (died, stuck, broken pipe)",
+            registry=r,
+        )
+        self.engine_worker_resyncs = Counter(
+            "bigfleet_shard_engine_worker_resyncs_total", "Cycles that sent the engine worker a full copy of its inputs",
+            registry=r,
+        )
         # Cross-shard handoff (shard/handoff.py).
         self.handoff_machines = Counter(
             "bigfleet_shard_handoff_machines_total", "Machines released to or adopted from other shards",

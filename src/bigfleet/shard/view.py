@@ -15,6 +15,7 @@ it, so the final Draining→Idle update still reaches the cluster it left.
 
 from __future__ import annotations
 
+import builtins
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -90,6 +91,13 @@ class MachineView:
         # cluster -> ids of machines whose record names it (insertion-ordered), so a Session's
         # Hello replays its nodes without scanning the whole inventory (1 000s of Hellos x 100k machines).
         self._by_cluster: dict[str, dict[str, None]] = {}
+        # Change tracking for the engine worker's mirror (bigfleet.shard.engineproc): every id whose
+        # engine record was installed or removed since the consumer last took the set.
+        self.dirty: set[str] = set()
+        # Kept up to date on every write so per-cycle gauges and the orphan-Create check cost
+        # O(1) / O(creating) instead of a walk over the whole fleet.
+        self._state_counts: Counter[int] = Counter()
+        self.creating: dict[str, None] = {}
 
     def __len__(self) -> int:
         return len(self._pb)
@@ -135,6 +143,8 @@ class MachineView:
         self._pb[pb.id] = pb
         self._machines[pb.id] = m
         self.version += 1
+        self.dirty.add(pb.id)
+        self._count(old, pb)
         self._index(pb.id, old.cluster if old is not None else "", pb.cluster)
         self._emit(old, pb)
         return True
@@ -163,6 +173,8 @@ class MachineView:
             self._index(machine_id, old.cluster, "")
             self._machines.pop(machine_id, None)
             self.version += 1
+            self.dirty.add(machine_id)
+            self._count(old, None)
         self.provider_latest.pop(machine_id, None)
 
     def mark_failed(self, machine_id: str, error: str) -> None:
@@ -177,8 +189,24 @@ class MachineView:
         if self.set(pb, force=True):
             self.failed_local.add(machine_id)
 
+    def _count(self, old: provider_pb2.Machine | None, new: provider_pb2.Machine | None) -> None:
+        if old is not None:
+            self._state_counts[int(old.state)] -= 1
+            if old.state == S.MACHINE_STATE_CREATING:
+                self.creating.pop(old.id, None)
+        if new is not None:
+            self._state_counts[int(new.state)] += 1
+            if new.state == S.MACHINE_STATE_CREATING:
+                self.creating[new.id] = None
+
+    def take_dirty(self) -> builtins.set[str]:
+        """The ids changed since the last call (and start a new set)."""
+        d, self.dirty = self.dirty, set()
+        return d
+
     def counts(self) -> Counter[int]:
-        return Counter(int(pb.state) for pb in self._pb.values())
+        """Machines per provider state (maintained on every write)."""
+        return +self._state_counts
 
     def route(self, pb: provider_pb2.Machine) -> str:
         return pb.cluster or self.reserved_for.get(pb.id, "")
