@@ -1,18 +1,29 @@
 """Turns the engine's actions into fenced provider calls and operator frames, off the cycle's path.
 
 One mutation per machine at a time (a ledger of machines in flight drops
-duplicates); concurrency is bounded by a semaphore. Each flow marks the
-machine in its transitional state *before* calling out, so the next cycle
-already counts it, and ends in a stable state observed from the provider or
-in FAILED with ``last_error`` (a timeout or a provider error): a machine is
-never silently forgotten, and never handed out twice.
+duplicates). Each flow marks the machine in its transitional state *before*
+calling out, so the next cycle already counts it, and ends in a stable state
+observed from the provider or in FAILED with ``last_error`` (a timeout or a
+provider error): a machine is never silently forgotten, and never handed out
+twice.
+
+Throughput (the reprovisioning regime hands out thousands of machines at
+once): ``concurrency`` bounds *steps* that hold a resource (a provider
+mutation, a bootstrap pull), not whole flows, so a flow waiting for the
+provider to finish a transition costs nothing; steps of flows already under
+way go before new flows, so machines finish instead of piling up half done.
+Lifecycle calls are asynchronous (the ack is usually still transitional), and
+completions are observed through one shared incremental List
+(``since_revision``) for all waiting flows instead of per-machine Get polling.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,11 +62,68 @@ class Binding:
 
 @dataclass(frozen=True)
 class ExecutorConfig:
-    concurrency: int = 32
+    # Provider mutations and bootstrap pulls in flight at once (a flow waiting for a transition
+    # to finish holds none).
+    concurrency: int = 256
     execute_timeout: float = 30.0  # how long a transition may take before the machine is FAILED
     bootstrap_timeout: float = 30.0
     reclaim_ack_timeout: float = 10.0
-    poll_interval: float = 0.1
+    poll_interval: float = 0.1  # Get polling (``watch=False``)
+    # Observe completions with one shared incremental List for every waiting flow; False polls
+    # Get per machine (what the deterministic simulator's golden traces were recorded with).
+    watch: bool = True
+    watch_interval: float = 0.05  # least time between two watch Lists
+    watch_full_after: float = 10.0  # a flow waiting this long makes the next watch List a full one
+
+
+class Slots:
+    """A semaphore with two queues: urgent waiters (steps of flows already under way) go first."""
+
+    def __init__(self, n: int) -> None:
+        self.free = max(1, n)
+        self._urgent: deque[asyncio.Future[None]] = deque()
+        self._normal: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._urgent) + len(self._normal)
+
+    async def acquire(self, urgent: bool) -> None:
+        if self.free > 0 and not self._urgent and not self._normal:
+            self.free -= 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        (self._urgent if urgent else self._normal).append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()  # the slot was handed over as we were cancelled: pass it on
+            else:
+                q = self._urgent if urgent else self._normal
+                if fut in q:
+                    q.remove(fut)
+            raise
+
+    def release(self) -> None:
+        for q in (self._urgent, self._normal):
+            while q:
+                fut = q.popleft()
+                if not fut.done():
+                    fut.set_result(None)  # the slot passes directly to the waiter
+                    return
+        self.free += 1
+
+
+class _Waiter:
+    __slots__ = ("fut", "gen", "since", "targets")
+
+    def __init__(self, fut: asyncio.Future[provider_pb2.Machine], targets: frozenset[int], gen: int,
+                 since: float) -> None:
+        self.fut = fut
+        self.targets = targets
+        self.gen = gen
+        self.since = since
 
 
 class Executor:
@@ -79,9 +147,20 @@ class Executor:
         self.config = config
         self.metrics = metrics
         self.on_settled = on_settled
-        self._sem = asyncio.Semaphore(max(1, config.concurrency))
+        self._slots = Slots(config.concurrency)
         self._tasks: set[asyncio.Task[None]] = set()
         self.bootstrap_failures: dict[tuple[str, str], str] = {}
+        # The completion watcher: machine id -> the flow waiting for it to reach a state.
+        self._waiters: dict[str, _Waiter] = {}
+        self._watch_task: asyncio.Task[None] | None = None
+        self._watch_gen = 0
+        self._watch_cursor = b""
+        self._watch_last_full = float("-inf")
+        # Machines whose flow ended while the current watch List was in flight (see _watch).
+        self._ended_during_list: set[str] = set()
+        # Counters tests and benchmarks read (the RPCs themselves are in the provider metrics).
+        self.watch_lists = 0
+        self.confirm_gets = 0
 
     @property
     def inflight(self) -> int:
@@ -152,27 +231,39 @@ class Executor:
         self.view.inflight[machine_id] = kind
         return pb
 
+    @asynccontextmanager
+    async def _step(self, urgent: bool) -> AsyncIterator[None]:
+        """Hold one of ``concurrency`` slots for a provider mutation or a bootstrap pull."""
+        await self._slots.acquire(urgent)
+        if self.metrics:
+            self.metrics.execute_inflight.inc()
+        try:
+            yield
+        finally:
+            self._slots.release()
+            if self.metrics:
+                self.metrics.execute_inflight.dec()
+
     def _spawn(self, kind: str, machine_id: str, coro: Any) -> None:
         async def run() -> None:
-            async with self._sem:
-                if self.metrics:
-                    self.metrics.execute_inflight.inc()
-                try:
-                    await coro
-                except asyncio.CancelledError:
-                    self._outcome(kind, "ctx_canceled")
-                    raise
-                except Exception as exc:  # a bug must not leave the machine owned forever
-                    log.exception("action crashed", kind=kind, machine=machine_id)
-                    self._fail(machine_id, f"{kind}: internal error: {exc}")
-                    self._outcome(kind, "internal_error")
-                finally:
-                    self.view.inflight.pop(machine_id, None)
-                    self.view.reserved_for.pop(machine_id, None)
-                    if self.metrics:
-                        self.metrics.execute_inflight.dec()
-                    if self.on_settled:
-                        self.on_settled()
+            try:
+                await coro
+            except asyncio.CancelledError:
+                self._outcome(kind, "ctx_canceled")
+                raise
+            except Exception as exc:  # a bug must not leave the machine owned forever
+                log.exception("action crashed", kind=kind, machine=machine_id)
+                self._fail(machine_id, f"{kind}: internal error: {exc}")
+                self._outcome(kind, "internal_error")
+            finally:
+                w = self._waiters.pop(machine_id, None)
+                if w is not None and not w.fut.done():
+                    w.fut.cancel()
+                self._ended_during_list.add(machine_id)
+                self.view.inflight.pop(machine_id, None)
+                self.view.reserved_for.pop(machine_id, None)
+                if self.on_settled:
+                    self.on_settled()
 
         task = asyncio.create_task(run(), name=f"{kind}-{machine_id}")
         self._tasks.add(task)
@@ -187,6 +278,9 @@ class Executor:
             t.cancel()
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            await asyncio.gather(self._watch_task, return_exceptions=True)
 
     # -- flows ---------------------------------------------------------------------------------
 
@@ -209,6 +303,38 @@ class Executor:
             self.view.set(latest)
 
     async def _wait_state(self, machine_id: str, targets: set[int], deadline: float) -> provider_pb2.Machine:
+        """The machine's record once it reaches one of ``targets`` (or FAILED); TimeoutError at ``deadline``."""
+        if not self.config.watch:
+            return await self._poll_state(machine_id, targets, deadline)
+        want = frozenset(targets)
+        fut: asyncio.Future[provider_pb2.Machine] = asyncio.get_running_loop().create_future()
+        self._waiters[machine_id] = _Waiter(fut, want, self._watch_gen, self.clock())
+        if self._watch_task is None or self._watch_task.done():
+            self._watch_task = asyncio.create_task(self._watch(), name="executor-watch")
+        try:
+            pb = await asyncio.wait_for(fut, max(0.0, deadline - self.clock()))
+        except TimeoutError:
+            pb = None
+        finally:
+            w = self._waiters.get(machine_id)
+            if w is not None and w.fut is fut:
+                del self._waiters[machine_id]
+        if pb is not None:
+            self.view.provider_latest[machine_id] = pb
+            return pb
+        # One last direct look before declaring the transition timed out.
+        try:
+            pb = await self.provider.get(machine_id, total=5.0)
+        except ProviderError as exc:
+            if exc.code.name == "NOT_FOUND":
+                raise
+            raise TimeoutError(str(exc)) from None
+        self.view.provider_latest[machine_id] = pb
+        if pb.state in want or pb.state == S.MACHINE_STATE_FAILED:
+            return pb
+        raise TimeoutError(f"still {S.Name(pb.state)}")
+
+    async def _poll_state(self, machine_id: str, targets: set[int], deadline: float) -> provider_pb2.Machine:
         """Poll Get until the machine reaches one of ``targets`` (or FAILED); TimeoutError at ``deadline``."""
         interval = self.config.poll_interval
         last_err = "no answer"
@@ -229,10 +355,71 @@ class Executor:
             await asyncio.sleep(min(interval, max(0.0, deadline - self.clock())))
             interval = min(interval * 1.5, 1.0)
 
+    async def _watch(self) -> None:
+        """While flows wait, List what changed since the last List and hand each waiting flow its record.
+
+        A List that started before a flow registered may show a record older than that flow's own
+        ack. That record can only be the transition's start state or newer (never its target),
+        unless an earlier flow on the same machine ended while this List was in flight (its end
+        was seen in an ack or a Get, not in a List): then the List may be older than that end, and
+        a record in the target state is confirmed with one Get instead of trusted.
+        """
+        backoff = self.config.watch_interval
+        while self._waiters:
+            started = self.clock()
+            self._watch_gen += 1
+            gen = self._watch_gen
+            ended = self._ended_during_list = set()
+            full = not self._watch_cursor
+            if not full and started - self._watch_last_full >= self.config.watch_full_after:
+                # Something waits unusually long (a provider that lost its revisions?): look at everything.
+                oldest = min(w.since for w in self._waiters.values())
+                full = started - oldest >= self.config.watch_full_after
+            try:
+                lst = await self.provider.list(b"" if full else self._watch_cursor, total=30.0)
+            except ProviderError as exc:
+                log.warning("completion watch List failed; retrying", error=str(exc))
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            backoff = self.config.watch_interval
+            self.watch_lists += 1
+            if full:
+                self._watch_last_full = started
+            self._watch_cursor = bytes(lst.revision)
+            waiters = self._waiters
+            for pb in lst.machines:
+                w = waiters.get(pb.id)
+                if w is None or w.fut.done() or not (pb.state in w.targets or pb.state == S.MACHINE_STATE_FAILED):
+                    continue
+                if w.gen < gen or pb.id not in ended:
+                    del waiters[pb.id]
+                    w.fut.set_result(pb)
+                else:  # the record may predate the flow that ended during this List
+                    self._spawn_confirm(pb.id, w)
+            await asyncio.sleep(max(0.0, self.config.watch_interval - (self.clock() - started)))
+
+    def _spawn_confirm(self, machine_id: str, w: _Waiter) -> None:
+        async def confirm() -> None:
+            self.confirm_gets += 1
+            try:
+                pb = await self.provider.get(machine_id, total=5.0)
+            except ProviderError:
+                return  # the next List sees the machine anyway
+            if self._waiters.get(machine_id) is w and not w.fut.done() and (
+                    pb.state in w.targets or pb.state == S.MACHINE_STATE_FAILED):
+                del self._waiters[machine_id]
+                w.fut.set_result(pb)
+
+        task = asyncio.create_task(confirm(), name=f"confirm-{machine_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def _provision(self, machine_id: str, binding: Binding | None) -> None:
         deadline = self.clock() + self.config.execute_timeout
         try:
-            ack = await self.provider.create(machine_id)
+            async with self._step(urgent=False):
+                ack = await self.provider.create(machine_id)
             self.view.provider_latest[machine_id] = ack.machine
             if ack.machine.state != S.MACHINE_STATE_IDLE:
                 pb = await self._wait_state(machine_id, {S.MACHINE_STATE_IDLE}, deadline)
@@ -272,7 +459,8 @@ class Executor:
             return
         started = time.perf_counter()
         try:
-            blob = await session.request_bootstrap(list(binding.requirements), self.config.bootstrap_timeout)
+            async with self._step(urgent=kind != "Bootstrap"):
+                blob = await session.request_bootstrap(list(binding.requirements), self.config.bootstrap_timeout)
         except BootstrapUnavailable as exc:
             # The provider was not touched: the machine goes back to Idle for a later retry.
             self.bootstrap_failures[(binding.cluster_id, binding.need_fingerprint)] = str(exc)
@@ -288,7 +476,8 @@ class Executor:
             return
         deadline = self.clock() + self.config.execute_timeout
         try:
-            ack = await self.provider.configure(machine_id, binding.cluster_id, blob.user_data, binding.metadata())
+            async with self._step(urgent=True):
+                ack = await self.provider.configure(machine_id, binding.cluster_id, blob.user_data, binding.metadata())
             pb = ack.machine
             if pb.state != S.MACHINE_STATE_CONFIGURED:
                 pb = await self._wait_state(machine_id, {S.MACHINE_STATE_CONFIGURED}, deadline)
@@ -320,7 +509,8 @@ class Executor:
                 log.info("no reclaim ack; draining anyway", machine=machine_id)
         deadline = self.clock() + self.config.execute_timeout + grace
         try:
-            ack = await self.provider.drain(machine_id, grace)
+            async with self._step(urgent=True):
+                ack = await self.provider.drain(machine_id, grace)
             pb = ack.machine
             if pb.state != S.MACHINE_STATE_IDLE:
                 pb = await self._wait_state(machine_id, {S.MACHINE_STATE_IDLE}, deadline)
@@ -340,7 +530,8 @@ class Executor:
     async def _delete_flow(self, machine_id: str) -> None:
         deadline = self.clock() + self.config.execute_timeout
         try:
-            ack = await self.provider.delete(machine_id)
+            async with self._step(urgent=False):
+                ack = await self.provider.delete(machine_id)
             pb = ack.machine
             if pb.state != S.MACHINE_STATE_SPECULATIVE:
                 pb = await self._wait_state(machine_id, {S.MACHINE_STATE_SPECULATIVE}, deadline)

@@ -241,7 +241,7 @@ class Simulator:
             shard_id="sim-shard", provider="in-process", epoch=1, cycle_interval=sc.cycle_seconds,
             reconcile_interval=0.0, available_capacity_interval=sc.cycle_seconds,
             executor=ExecutorConfig(concurrency=64, execute_timeout=sc.execute_timeout, bootstrap_timeout=5.0,
-                                    reclaim_ack_timeout=5.0, poll_interval=0.5),
+                                    reclaim_ack_timeout=5.0, poll_interval=0.5, watch=False),
             engine=EngineConfig(reclaim_cap_fraction=sc.reclaim_cap_fraction),
             clock=clock, wall_ns=lambda: EPOCH_NS + int(clock() * 1e9), compute_inline=True,
         )

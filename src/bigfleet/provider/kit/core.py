@@ -102,6 +102,11 @@ class ProviderCore:
         self.ops: dict[tuple[str, Kind], str] = {}
         self.rev = 0
         self.next_op = 1
+        # Machine ids in the order they last changed, with that revision: an incremental List reads
+        # only what changed (newest first) instead of scanning the fleet. Trusted only while every
+        # revision bump went through _bump (``_indexed_rev == rev``); otherwise List scans.
+        self._order: dict[str, int] = {}
+        self._indexed_rev = 0
         # Bumped on every change that must reach the store (including a fence mark
         # advanced by a call that is then rejected).
         self.changes = 0
@@ -109,6 +114,15 @@ class ProviderCore:
         self._dirty_m: set[str] = set()
         self._dirty_f: set[tuple[str, str]] = set()
         self._dirty_o: set[tuple[str, Kind]] = set()
+
+    def _bump(self, rec: MachineRecord, shape_changed: bool = False) -> None:
+        """Every change of a machine: next revision, the record's cache, the change-order index."""
+        self.rev += 1
+        rec.touch(self.rev, shape_changed=shape_changed)
+        order = self._order
+        order.pop(rec.id, None)
+        order[rec.id] = self.rev
+        self._indexed_rev = self.rev
 
     # ---- bootstrap -------------------------------------------------------------------------------
 
@@ -127,9 +141,8 @@ class ProviderCore:
             seen.add(inst.id)
             added.append(record_from_instance(inst, state))
         for rec in added:
-            self.rev += 1
-            rec.touch(self.rev)
             self.machines[rec.id] = rec
+            self._bump(rec)
             self._dirty_m.add(rec.id)
         if added:
             self.changes += 1
@@ -162,8 +175,7 @@ class ProviderCore:
                     continue
                 (rec.price_per_hour, rec.interruption_probability, rec.resources, rec.allocatable,
                  rec.labels) = fresh
-            self.rev += 1
-            rec.touch(self.rev, shape_changed=True)
+            self._bump(rec, shape_changed=True)
             self._dirty_m.add(rec.id)
             changed += 1
         if changed:
@@ -179,8 +191,7 @@ class ProviderCore:
                 rec.state = State.FAILED
                 rec.last_error = f"{kind.value} transition interrupted by a provider restart; needs re-drive"
                 rec.op_id = ""
-                self.rev += 1
-                rec.touch(self.rev)
+                self._bump(rec)
                 self._dirty_m.add(rec.id)
                 ids.append(rec.id)
         if ids:
@@ -247,8 +258,7 @@ class ProviderCore:
         if kind == Kind.CONFIGURE:
             rec.cluster = cluster_id
             rec.shard_metadata = dict(metadata or {})
-        self.rev += 1
-        rec.touch(self.rev)
+        self._bump(rec)
         self.changes += 1
         return Ack(op_id, rec.copy(), started=True)
 
@@ -288,8 +298,7 @@ class ProviderCore:
                 rec.cluster = ""
                 rec.shard_metadata = {}
         rec.op_id = ""
-        self.rev += 1
-        rec.touch(self.rev, shape_changed=error is None and (resources is not None or allocatable is not None))
+        self._bump(rec, shape_changed=error is None and (resources is not None or allocatable is not None))
         self._dirty_m.add(machine_id)
         self.changes += 1
         return True
@@ -331,7 +340,17 @@ class ProviderCore:
         if max_results < 0:
             raise KitError(grpc.StatusCode.INVALID_ARGUMENT, "max_results must be >= 0")
         since = parse_revision(since_revision)
-        records = list(self.machines.values())
+        if since is not None and self._indexed_rev == self.rev:
+            records = []
+            machines = self.machines
+            for mid, r in reversed(self._order.items()):
+                if r <= since:
+                    break
+                rec = machines.get(mid)
+                if rec is not None and rec.modified > since:
+                    records.append(rec)
+        else:
+            records = list(self.machines.values())
         n = len(records)
         out: list[MachineRecord] = []
         if n and not wanted and since is None and not max_results:
@@ -411,6 +430,8 @@ class ProviderCore:
         }
         self.machines, self.fences, self.ops = machines, fences, ops
         self.rev = rev
+        self._order = {mid: rec.modified for mid, rec in machines.items()}
+        self._indexed_rev = rev
         self.next_op = int(snap.get("next_op", 1))  # type: ignore[call-overload]
         self.changes = int(snap.get("changes", 0))  # type: ignore[call-overload]
         self._clear_dirty()
