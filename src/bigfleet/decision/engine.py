@@ -267,11 +267,23 @@ def normalize(needs: Sequence[Need], ix: Index, free_classes: set[int] | None = 
               ) -> tuple[list[tuple[Need, list[Need]]], int]:
     """Fold Same needs whose whole aggregate fits on one machine into plain needs.
 
+    See `_normalize` (which also says whether the free pool decided any fold).
+    """
+    out, folded, _ = _normalize(needs, ix, free_classes)
+    return out, folded
+
+
+def _normalize(needs: Sequence[Need], ix: Index, free_classes: set[int] | None = None
+               ) -> tuple[list[tuple[Need, list[Need]]], int, bool]:
+    """Fold Same needs whose whole aggregate fits on one machine into plain needs.
+
     A gang that fits on one machine cannot be split across domains, so co-location is automatic;
     folding keeps the machine-exclusive claim ledger honest (two sub-machine gangs share one
     machine instead of each claiming one). A gang is foldable when some machine matching its
     profile covers the whole aggregate: one of its own cluster's bound machines, or any Idle or
-    Speculative machine. Returns (need, original members) rows and the count of folded gangs.
+    Speculative machine. Returns (need, original members) rows, the count of folded gangs, and
+    whether any fold decision depended on the free pool (no own bound class settled it): only
+    then does a cached result of these needs go stale when the free pool changes.
     """
     out: list[tuple[Need, list[Need]]] = []
     groups: dict[tuple[str, str, Resources], list[Need]] = {}
@@ -282,6 +294,7 @@ def normalize(needs: Sequence[Need], ix: Index, free_classes: set[int] | None = 
     own_memo: dict[str, set[int]] = {}
     memo: dict[tuple[str, tuple[Requirement, ...], Resources], bool] = {}
     folded = 0
+    free_dependent = False
     for n in needs:
         p = n.profile
         if p.same is None or n.aggregate_resources.is_zero():
@@ -297,10 +310,12 @@ def normalize(needs: Sequence[Need], ix: Index, free_classes: set[int] | None = 
                 own = ix.bound.get(n.cluster_id, {})
                 own_classes = set(own.get(CONFIGURED, {})) | set(own.get(CONFIGURING, {}))
                 own_memo[n.cluster_id] = own_classes
-            for c in ix.matched_classes(p.requirements):
-                if (c.idx in free_classes or c.idx in own_classes) and agg.fits_in(c.alloc):
-                    ok = True
-                    break
+            fitting = [c.idx for c in ix.matched_classes(p.requirements) if agg.fits_in(c.alloc)]
+            if any(ci in own_classes for ci in fitting):
+                ok = True
+            else:
+                free_dependent = True
+                ok = any(ci in free_classes for ci in fitting)
             memo[mk] = ok
         if not ok:
             out.append((n, [n]))
@@ -322,7 +337,7 @@ def normalize(needs: Sequence[Need], ix: Index, free_classes: set[int] | None = 
         arrivals = [m.arrival_unix_nanos for m in members if m.arrival_unix_nanos]
         out.append((Need(gk[0], stripped[gk], agg.scale(len(members)), minu, min(arrivals) if arrivals else 0),
                     members))
-    return out, folded
+    return out, folded, free_dependent
 
 
 # --------------------------------------------------------------------------------------------
@@ -1118,7 +1133,10 @@ class Engine:
             del cdims[c]
         dims = tuple(sorted(dim_set))
         cy = _Cycle(ix, dims, reservations)
-        base_key = (dims, ix.free_ver, ix.classes_ver)
+        # A cached cluster depends on the free pool only through Same folding (see `_normalize`): its
+        # entry carries free_ver only then, so binds and releases elsewhere do not invalidate it.
+        base_key = (dims, ix.classes_ver)
+        free_ver = ix.free_ver
 
         cached: dict[str, _ClusterCache] = {}
         free: set[int] | None = None
@@ -1128,16 +1146,19 @@ class Engine:
         for c in sorted(by_cluster):
             cn = by_cluster[c]
             n_in += len(cn)
-            key = (base_key, ix.cluster_ver.get(c, 0))
+            cver = ix.cluster_ver.get(c, 0)
             cc = self._cache.get(c)
-            if cc is not None and cc.key == key and (cc.needs is cn or cc.needs == cn) and _still_stable(cc, state):
+            if (cc is not None and cc.key[0] == base_key and cc.key[1] == cver
+                    and (cc.key[2] is None or cc.key[2] == free_ver)
+                    and (cc.needs is cn or cc.needs == cn) and _still_stable(cc, state)):
                 cached[c] = cc
                 cy.held[c] = cc.held
                 cy.hconf[c] = cc.hconf
                 continue
             if free is None:
                 free = {ci for (_st, ci) in ix.pool}
-            rows_raw, f = normalize(cn, ix, free)
+            rows_raw, f, free_dep = _normalize(cn, ix, free)
+            key = (base_key, cver, free_ver if free_dep else None)
             folded += f
             rows = [_N(nd, members, dims) for nd, members in rows_raw]
             for n in rows:
