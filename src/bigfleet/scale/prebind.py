@@ -85,5 +85,5 @@ def plan(shape: str, clusters: int, seed_count: int, committed_count: int, deman
     return bindings_from_decision(d, owner_shard), d
 
 
-__all__ = ["Binding", "bindings_from_decision", "catalog_machines", "plan", "read_seed", "workload_needs",
+__all__ = ["Binding", "bindings_from_decision", "build_catalog", "catalog_machines", "plan", "read_seed", "workload_needs",
            "write_seed"]
