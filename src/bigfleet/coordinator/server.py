@@ -660,6 +660,27 @@ class CoordinatorService(pbg.CoordinatorServicer):
 
         return pb.ListClusterBindingsResponse(bindings=self.d.r().read(rows))
 
+    async def GetClusterStatus(
+        self, request: pb.GetClusterStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetClusterStatusResponse:
+        """LookupCluster without its side effect (no binding is created) and without refusing during a handoff."""
+        cid = request.cluster_id
+        if not cid:
+            await self._invalid(context, "cluster_id is required")
+        await self._leader(context)
+
+        def status(st: FleetState) -> pb.GetClusterStatusResponse:
+            b = st.bindings.get(cid)
+            if b is None:
+                return pb.GetClusterStatusResponse(cluster_id=cid)
+            t = st.active_transfer_for_cluster(cid)
+            return pb.GetClusterStatusResponse(
+                cluster_id=cid, bound=True, shard_id=b.shard_id, binding_epoch=b.epoch,
+                handoff_to_shard_id=t.to_shard if t is not None else "", handoff_phase=t.phase if t is not None else "",
+            )
+
+        return self.d.r().read(status)
+
     async def _plan(self, load_factor: float, max_moves: int) -> Any:
         d = self.d
         now = _now()

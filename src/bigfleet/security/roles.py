@@ -110,6 +110,8 @@ COORDINATOR_POLICY: dict[str, Access] = {
     f"/{_PKG}.Coordinator/PlanRebalance": READ,
     f"/{_PKG}.Coordinator/ApplyRebalance": ADMIN_ONLY,
     f"/{_PKG}.Coordinator/ListTransfers": READ,
+    # A shard asks about a cluster whose operator says Hello (handoff window); no self check: the subject is a cluster.
+    f"/{_PKG}.Coordinator/GetClusterStatus": Access.of(Role.SHARD, Role.ADMIN, Role.READONLY),
 }
 
 SHARD_POLICY: dict[str, Access] = {

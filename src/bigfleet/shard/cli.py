@@ -162,6 +162,7 @@ async def serve(settings: Any, tls: TLSConfig | None = None) -> int:
             [a for a in settings.coordinator.split(",") if a.strip()],
             tls=tls,
         )
+        handoff.coordinator = coord_client  # the handoff-window hold asks it about unknown clusters
         heartbeat = HeartbeatLoop(
             coord_client, settings.shard_id, daemon.build_report, handoff,
             interval=settings.heartbeat_interval, shard_address=settings.advertise or settings.listen,

@@ -16,6 +16,14 @@ Ownership rule (two shards may share one provider, which lists every machine to 
 Clusters follow machines: a released cluster's Session is refused (FAILED_PRECONDITION with the
 ``bigfleet-redirect`` trailer) until the coordinator asks this shard to adopt it again.
 
+The handoff window: the old shard redirects the operator here as soon as it released, before the
+coordinator has delivered ``AdoptCluster``. A Hello from a cluster this shard does not know is
+therefore checked with the coordinator (``GetClusterStatus``, side-effect free): while a handoff of
+it *to this shard* is in flight, the Hello waits up to ``adoption_hold`` seconds for the adoption and
+is otherwise answered UNAVAILABLE with the ``bigfleet-retry-later`` trailer (the operator redials),
+so this shard never provisions for a cluster whose machines are still on their way. Any doubt (no
+coordinator, coordinator unreachable, cluster bound elsewhere) admits the Session as before.
+
 The ledger and the victim/donor selection are pure; :class:`ShardHandoff` is the shell that
 freezes the daemon, settles provider calls, persists and acks.
 """
@@ -198,9 +206,15 @@ class ShardHandoff(BaseInstructionHandler):
         self.settle_timeout = settle_timeout
         self.drain_timeout = drain_timeout
         self._lock = asyncio.Lock()
+        # Set by the shard's CLI when it runs with --coordinator: enables the handoff-window hold.
+        self.coordinator: Any = None
+        self.adoption_hold = 2.0
+        self.status_timeout = 2.0
+        self._adopted_events: dict[str, asyncio.Event] = {}  # cluster -> set once adopt_cluster finished
         # Hook the daemon: reconcile keeps only our machines; Sessions of released clusters are refused.
         daemon.owns = self.ledger.owns
         daemon.servicer.refuse_cluster = self.refusal
+        daemon.servicer.hold_cluster = self.hold
         daemon.owner_id = daemon.config.shard_id
         # Bound machines carry their owner: a shard sharing the provider leaves them alone.
         if hasattr(daemon.provider, "extra_metadata"):
@@ -217,6 +231,41 @@ class ShardHandoff(BaseInstructionHandler):
             self._count_refusal()
             return f"cluster {cluster_id} was handed off to another shard{where}", addr
         return None
+
+    def _known(self, cluster_id: str) -> bool:
+        """Clusters this shard already serves need no coordinator round trip."""
+        ev = self._adopted_events.get(cluster_id)
+        if ev is not None and ev.is_set():
+            return True
+        d = self.daemon
+        return d.sessions.get(cluster_id) is not None or bool(d.view.bound_to(cluster_id))
+
+    async def hold(self, cluster_id: str) -> str | None:
+        """None to admit the Session; else why it must come back later (a handoff to us not adopted yet)."""
+        if self.coordinator is None or self._known(cluster_id):
+            return None
+        try:
+            st = await self.coordinator.call(
+                "GetClusterStatus", coordinator_pb2.GetClusterStatusRequest(cluster_id=cluster_id),
+                timeout=self.status_timeout)
+        except Exception as exc:  # fail open: the coordinator must never gate serving
+            log.info("cluster status unknown; admitting the session", cluster=cluster_id, error=str(exc)[:200])
+            return None
+        me = self.daemon.config.shard_id
+        if st.handoff_to_shard_id != me or not st.handoff_phase:
+            return None
+        ev = self._adopted_events.setdefault(cluster_id, asyncio.Event())
+        try:
+            await asyncio.wait_for(ev.wait(), self.adoption_hold)
+            return None
+        except TimeoutError:
+            m = getattr(self.daemon.metrics, "handoff_sessions_held", None)
+            if m is not None:
+                m.inc()
+            log.info("session held back: cluster still being handed to this shard", cluster=cluster_id,
+                     phase=st.handoff_phase, frm=st.shard_id)
+            return (f"cluster {cluster_id} is being handed to this shard ({st.handoff_phase}); "
+                    "retry shortly")
 
     def _count_refusal(self) -> None:
         m = getattr(self.daemon.metrics, "handoff_sessions_refused", None)
@@ -285,6 +334,7 @@ class ShardHandoff(BaseInstructionHandler):
                 d.redirects.pop(cid, None)
                 raise
             self._forget(released)
+            self._adopted_events.pop(cid, None)  # adopting it back later must wait for that adoption
             forget = getattr(d.store, "forget_cluster", None)
             if forget is not None:
                 forget(cid)
@@ -321,6 +371,7 @@ class ShardHandoff(BaseInstructionHandler):
             got = await self._adopt(list(msg.machine_ids), msg.cluster_id)
             self.daemon.frozen_clusters.discard(msg.cluster_id)
             self.daemon.redirects.pop(msg.cluster_id, None)
+            self._adopted_events.setdefault(msg.cluster_id, asyncio.Event()).set()  # held Hellos go ahead
             self.daemon.trigger()
             self._count("adopted", "cluster", len(got))
             log.info("cluster adopted", cluster=msg.cluster_id, machines=len(got), of=len(msg.machine_ids),

@@ -87,3 +87,7 @@ class ShardMetrics:
             "bigfleet_shard_handoff_sessions_refused_total", "Sessions refused: the cluster was handed to another shard",
             registry=r,
         )
+        self.handoff_sessions_held = Counter(
+            "bigfleet_shard_handoff_sessions_held_total",
+            "Sessions answered UNAVAILABLE: the cluster was still being handed to this shard", registry=r,
+        )

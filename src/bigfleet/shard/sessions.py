@@ -26,6 +26,9 @@ from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.shard.outbox import Outbox, OutboxOverflow
 from bigfleet.v1alpha1 import capacity_pb2, shard_pb2, shard_pb2_grpc
 
+# Trailer on an UNAVAILABLE that means "this shard will serve you shortly; retry" (same key the coordinator uses).
+RETRY_LATER_KEY = "bigfleet-retry-later"
+
 log = get_logger("bigfleet.shard.sessions")
 
 PROTOCOL_VERSION = "v1alpha1"
@@ -209,6 +212,9 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
         self.shutting_down = False
         # (reason, redirect address) when this shard must not serve a cluster (handed off); see handoff.py.
         self.refuse_cluster: Callable[[str], tuple[str, str] | None] | None = None
+        # A reason to answer UNAVAILABLE (retry later) for a cluster not yet ours to serve: one still being
+        # handed to this shard (handoff.py). May wait a little for the adoption before answering.
+        self.hold_cluster: Callable[[str], Awaitable[str | None]] | None = None
 
     def _ack(self, echo: str) -> shard_pb2.ShardMessage:
         term, epoch = self._ack_info()
@@ -240,6 +246,9 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
             reason, addr = refused
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason,
                                 trailing_metadata=(("bigfleet-redirect", addr),) if addr else ())
+        held = await self.hold_cluster(cluster_id) if self.hold_cluster is not None else None
+        if held is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, held, trailing_metadata=((RETRY_LATER_KEY, "handoff"),))
         session = OperatorSession(cluster_id, context, self._max_unkeyed)
         slog = log.bind(cluster=cluster_id, session=session.id)
         self.registry.install(session)

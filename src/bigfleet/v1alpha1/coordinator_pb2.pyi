@@ -1389,3 +1389,58 @@ class AbortTransferResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AbortTransferResponse: _TypeAlias = AbortTransferResponse  # noqa: Y015
+
+@_typing.final
+class GetClusterStatusRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        cluster_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetClusterStatusRequest: _TypeAlias = GetClusterStatusRequest  # noqa: Y015
+
+@_typing.final
+class GetClusterStatusResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    BOUND_FIELD_NUMBER: _builtins.int
+    SHARD_ID_FIELD_NUMBER: _builtins.int
+    BINDING_EPOCH_FIELD_NUMBER: _builtins.int
+    HANDOFF_TO_SHARD_ID_FIELD_NUMBER: _builtins.int
+    HANDOFF_PHASE_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.str
+    bound: _builtins.bool
+    """False when the cluster has no binding (nothing is created by asking)."""
+    shard_id: _builtins.str
+    binding_epoch: _builtins.int
+    handoff_to_shard_id: _builtins.str
+    """Set while a handoff of the cluster is in flight."""
+    handoff_phase: _builtins.str
+    def __init__(
+        self,
+        *,
+        cluster_id: _builtins.str = ...,
+        bound: _builtins.bool = ...,
+        shard_id: _builtins.str = ...,
+        binding_epoch: _builtins.int = ...,
+        handoff_to_shard_id: _builtins.str = ...,
+        handoff_phase: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["binding_epoch", b"binding_epoch", "bound", b"bound", "cluster_id", b"cluster_id", "handoff_phase", b"handoff_phase", "handoff_to_shard_id", b"handoff_to_shard_id", "shard_id", b"shard_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetClusterStatusResponse: _TypeAlias = GetClusterStatusResponse  # noqa: Y015

@@ -109,6 +109,11 @@ class CoordinatorStub:
                 request_serializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.AbortTransferRequest.SerializeToString,
                 response_deserializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.AbortTransferResponse.FromString,
                 _registered_method=True)
+        self.GetClusterStatus = channel.unary_unary(
+                '/bigfleet.v1alpha1.Coordinator/GetClusterStatus',
+                request_serializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.GetClusterStatusRequest.SerializeToString,
+                response_deserializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.GetClusterStatusResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -221,6 +226,16 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetClusterStatus(self, request, context):
+        """Read, for shards too: one cluster's binding and any handoff in flight,
+        without binding an unbound cluster. A shard asks it when an operator it
+        does not know says Hello, so it can hold back a cluster that is still
+        being handed to it instead of serving it before the adoption.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -298,6 +313,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.AbortTransfer,
                     request_deserializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.AbortTransferRequest.FromString,
                     response_serializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.AbortTransferResponse.SerializeToString,
+            ),
+            'GetClusterStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetClusterStatus,
+                    request_deserializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.GetClusterStatusRequest.FromString,
+                    response_serializer=bigfleet_dot_v1alpha1_dot_coordinator__pb2.GetClusterStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -705,6 +725,33 @@ class Coordinator:
             '/bigfleet.v1alpha1.Coordinator/AbortTransfer',
             bigfleet_dot_v1alpha1_dot_coordinator__pb2.AbortTransferRequest.SerializeToString,
             bigfleet_dot_v1alpha1_dot_coordinator__pb2.AbortTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetClusterStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bigfleet.v1alpha1.Coordinator/GetClusterStatus',
+            bigfleet_dot_v1alpha1_dot_coordinator__pb2.GetClusterStatusRequest.SerializeToString,
+            bigfleet_dot_v1alpha1_dot_coordinator__pb2.GetClusterStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -74,6 +74,12 @@ class CoordinatorStub:
     once machines were released (adoption must complete); machines a late
     release hands over go back to the releasing shard.
     """
+    GetClusterStatus: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetClusterStatusRequest, _coordinator_pb2.GetClusterStatusResponse]
+    """Read, for shards too: one cluster's binding and any handoff in flight,
+    without binding an unbound cluster. A shard asks it when an operator it
+    does not know says Hello, so it can hold back a cluster that is still
+    being handed to it instead of serving it before the adoption.
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -112,6 +118,12 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """Admin: abort a transfer still waiting for its release. FAILED_PRECONDITION
     once machines were released (adoption must complete); machines a late
     release hands over go back to the releasing shard.
+    """
+    GetClusterStatus: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetClusterStatusRequest, _coordinator_pb2.GetClusterStatusResponse]  # type: ignore[assignment]
+    """Read, for shards too: one cluster's binding and any handoff in flight,
+    without binding an unbound cluster. A shard asks it when an operator it
+    does not know says Hello, so it can hold back a cluster that is still
+    being handed to it instead of serving it before the adoption.
     """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
@@ -238,6 +250,18 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         """Admin: abort a transfer still waiting for its release. FAILED_PRECONDITION
         once machines were released (adoption must complete); machines a late
         release hands over go back to the releasing shard.
+        """
+
+    @_abc_1.abstractmethod
+    def GetClusterStatus(
+        self,
+        request: _coordinator_pb2.GetClusterStatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.GetClusterStatusResponse, _abc.Awaitable[_coordinator_pb2.GetClusterStatusResponse]]:
+        """Read, for shards too: one cluster's binding and any handoff in flight,
+        without binding an unbound cluster. A shard asks it when an operator it
+        does not know says Hello, so it can hold back a cluster that is still
+        being handed to it instead of serving it before the adoption.
         """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
