@@ -54,10 +54,15 @@ class Binding:
     group: str = ""
 
     def metadata(self) -> dict[str, str]:
-        return encode_shard_metadata(
-            Assignment(self.priority, self.interruption_penalty_dollars, self.reclamation_penalty_dollars,
-                       self.need_fingerprint, self.group)
-        )
+        """The assignment keys (computed once per binding; callers must not mutate the dict)."""
+        md: dict[str, str] | None = self.__dict__.get("_metadata")
+        if md is None:
+            md = encode_shard_metadata(
+                Assignment(self.priority, self.interruption_penalty_dollars, self.reclamation_penalty_dollars,
+                           self.need_fingerprint, self.group)
+            )
+            object.__setattr__(self, "_metadata", md)
+        return md
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,7 @@ class Executor:
         self.metrics = metrics
         self.on_settled = on_settled
         self._slots = Slots(config.concurrency)
+        self._outcome_children: dict[tuple[str, str], Any] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.bootstrap_failures: dict[tuple[str, str], str] = {}
         # The completion watcher: machine id -> the flow waiting for it to reach a state.
@@ -168,7 +174,10 @@ class Executor:
 
     def _outcome(self, kind: str, outcome: str) -> None:
         if self.metrics:
-            self.metrics.action_outcomes.labels(kind, outcome).inc()
+            child = self._outcome_children.get((kind, outcome))
+            if child is None:
+                child = self._outcome_children[(kind, outcome)] = self.metrics.action_outcomes.labels(kind, outcome)
+            child.inc()
 
     # -- submission (synchronous, called from the cycle) ---------------------------------------
 

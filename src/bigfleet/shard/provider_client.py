@@ -56,6 +56,7 @@ class ProviderClient:
         tls: TLSConfig | None = None,
         stub: Any = None,
         clock: Callable[[], float] = time.monotonic,
+        channels: int = 1,
     ) -> None:
         self.target = target
         self.shard_id = shard_id
@@ -65,16 +66,27 @@ class ProviderClient:
         # server settings answer frequent idle pings with GOAWAY "too_many_pings".
         self._clock = clock
         # ``stub`` replaces the wire (the simulator passes an in-process provider with the same shape).
-        self._channel: Any = None
-        if stub is not None:
-            pass
-        elif tls is None:
-            opts = [o for o in channel_options() if not o[0].startswith("grpc.keepalive")]
-            self._channel = grpc.aio.insecure_channel(target, options=opts)
-        else:  # mTLS: we present bigfleet://shard/<id>
-            opts = [o for o in tls.channel_options() if not o[0].startswith("grpc.keepalive")]
-            self._channel = grpc.aio.secure_channel(target, tls.channel_credentials(), options=opts)
-        self._stub: Any = stub if stub is not None else provider_pb2_grpc.CapacityProviderStub(self._channel)
+        # ``channels`` > 1 opens that many HTTP/2 connections (a private subchannel pool each) and
+        # spreads calls over them round-robin.
+        self._channels: list[Any] = []
+        for _ in range(max(1, channels) if stub is None else 0):
+            if tls is None:
+                opts = [o for o in channel_options() if not o[0].startswith("grpc.keepalive")]
+            else:  # mTLS: we present bigfleet://shard/<id>
+                opts = [o for o in tls.channel_options() if not o[0].startswith("grpc.keepalive")]
+            if channels > 1:
+                opts.append(("grpc.use_local_subchannel_pool", 1))
+            if tls is None:
+                self._channels.append(grpc.aio.insecure_channel(target, options=opts))
+            else:
+                self._channels.append(grpc.aio.secure_channel(target, tls.channel_credentials(), options=opts))
+        self._channel: Any = self._channels[0] if self._channels else None
+        self._stubs: list[Any] = [stub] if stub is not None else [
+            provider_pb2_grpc.CapacityProviderStub(ch) for ch in self._channels]
+        self._stub: Any = self._stubs[0]
+        self._rr = itertools.cycle(self._stubs)
+        # Per-RPC metric children, resolved once (labels() is a lock and a dict walk per call).
+        self._rpc_hist: dict[str, Any] = {}
         self._seq = itertools.count(1)
         self.lifecycle_timeout = lifecycle_timeout
         self.list_timeout = list_timeout
@@ -85,8 +97,17 @@ class ProviderClient:
         self.extra_metadata: dict[str, str] = {}
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
+        for ch in self._channels:
+            await ch.close()
+
+    def _pick(self) -> Any:
+        return next(self._rr) if len(self._stubs) > 1 else self._stub
+
+    def _hist(self, rpc: str) -> Any:
+        h = self._rpc_hist.get(rpc)
+        if h is None and self._metrics is not None:
+            h = self._rpc_hist[rpc] = self._metrics.provider_rpc.labels(rpc)
+        return h
 
     def next_sequence(self) -> int:
         return next(self._seq)
@@ -103,12 +124,12 @@ class ProviderClient:
             try:
                 result = await fn(per)
                 if self._metrics:
-                    self._metrics.provider_rpc.labels(rpc).observe(time.perf_counter() - start)
+                    self._hist(rpc).observe(time.perf_counter() - start)
                 return result
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 if self._metrics:
-                    self._metrics.provider_rpc.labels(rpc).observe(time.perf_counter() - start)
+                    self._hist(rpc).observe(time.perf_counter() - start)
                     self._metrics.provider_errors.labels(rpc, code.name).inc()
                 remaining = deadline - self._clock()
                 if code not in RETRYABLE or attempt >= self.max_attempts or remaining <= delay:
@@ -122,7 +143,7 @@ class ProviderClient:
     async def create(self, machine_id: str) -> provider_pb2.TransitionAck:
         return await self._call(
             "Create",
-            lambda t: self._stub.Create(provider_pb2.CreateRequest(machine_id=machine_id, **self._token()), timeout=t),
+            lambda t: self._pick().Create(provider_pb2.CreateRequest(machine_id=machine_id, **self._token()), timeout=t),
             self.lifecycle_timeout,
         )
 
@@ -131,7 +152,7 @@ class ProviderClient:
     ) -> provider_pb2.TransitionAck:
         return await self._call(
             "Configure",
-            lambda t: self._stub.Configure(
+            lambda t: self._pick().Configure(
                 provider_pb2.ConfigureRequest(
                     machine_id=machine_id, cluster_id=cluster_id, bootstrap_blob=blob,
                     shard_metadata={**metadata, **self.extra_metadata} if self.extra_metadata else metadata,
@@ -145,7 +166,7 @@ class ProviderClient:
     async def drain(self, machine_id: str, grace_period_seconds: int) -> provider_pb2.TransitionAck:
         return await self._call(
             "Drain",
-            lambda t: self._stub.Drain(
+            lambda t: self._pick().Drain(
                 provider_pb2.DrainRequest(machine_id=machine_id, grace_period_seconds=grace_period_seconds, **self._token()),
                 timeout=t,
             ),
@@ -155,20 +176,20 @@ class ProviderClient:
     async def delete(self, machine_id: str) -> provider_pb2.TransitionAck:
         return await self._call(
             "Delete",
-            lambda t: self._stub.Delete(provider_pb2.DeleteRequest(machine_id=machine_id, **self._token()), timeout=t),
+            lambda t: self._pick().Delete(provider_pb2.DeleteRequest(machine_id=machine_id, **self._token()), timeout=t),
             self.lifecycle_timeout,
         )
 
     async def get(self, machine_id: str, total: float | None = None) -> provider_pb2.Machine:
         return await self._call(
             "Get",
-            lambda t: self._stub.Get(provider_pb2.MachineRef(id=machine_id), timeout=t),
+            lambda t: self._pick().Get(provider_pb2.MachineRef(id=machine_id), timeout=t),
             total or self.lifecycle_timeout,
         )
 
     async def list(self, since_revision: bytes = b"", total: float | None = None) -> provider_pb2.MachineList:
         return await self._call(
             "List",
-            lambda t: self._stub.List(provider_pb2.ListFilter(since_revision=since_revision), timeout=max(t, 5.0)),
+            lambda t: self._pick().List(provider_pb2.ListFilter(since_revision=since_revision), timeout=max(t, 5.0)),
             total or self.list_timeout,
         )

@@ -310,6 +310,7 @@ class ProviderServer:
     def _handler(self, method: str, fn: Callable[[Any], Awaitable[bytes]], msg: Any) -> Callable[..., Awaitable[bytes]]:
         rpcs, seconds, log = self.metrics.rpcs, self.metrics.rpc_seconds.labels(method), self.log
         parse = msg.FromString
+        counted = {"OK": rpcs.labels(method, "OK")}  # labels() per call is a lock and a dict walk
 
         async def handle(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
             t0 = time.perf_counter()
@@ -329,7 +330,10 @@ class ProviderServer:
                 await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
             finally:
                 seconds.observe(time.perf_counter() - t0)
-                rpcs.labels(method, code).inc()
+                child = counted.get(code)
+                if child is None:
+                    child = counted[code] = rpcs.labels(method, code)
+                child.inc()
             raise AssertionError("unreachable")
 
         return handle

@@ -1,0 +1,80 @@
+"""Reprovisioning with real processes: a few hundred machines of demand at once, all of it Configured.
+
+fake-provider and shard are subprocesses; a recording pass-through counts every provider call.
+Demand is constant and of one priority, so nothing may be drained, nothing created twice, and
+nothing left half way (CREATING / CONFIGURING / DRAINING) once the backlog is through.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from bigfleet.v1alpha1 import provider_pb2
+
+from .cluster import fleet
+from .opsim import FakeOperator, need
+from .spy import until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+
+S = provider_pb2.MachineState
+CLUSTERS = ("r1", "r2", "r3")
+UNITS = 90  # per cluster, 7 CPU each (the catalog's slots have 7.5 or 15.5 allocatable)
+SEEDS = 320
+
+
+def milli_cpu(pb: provider_pb2.Machine) -> int:
+    alloc = pb.allocatable.resources.get("cpu", "0")
+    return int(alloc[:-1]) if alloc.endswith("m") else int(float(alloc) * 1000)
+
+
+async def test_a_backlog_of_hundreds_is_configured_once_each_with_nothing_left_in_flight() -> None:
+    async with fleet(("--seed-count", str(SEEDS)), ("--execute-timeout", "60")) as (_prov, spy, shard):
+        ops = [FakeOperator(shard.addr, c) for c in CLUSTERS]
+        for op in ops:
+            await op.__aenter__()
+        try:
+            for op in ops:
+                await op.send_rollup([need("7", count=UNITS)])
+
+            async def served() -> bool:
+                machines = await spy.list_machines()
+                per: Counter[str] = Counter()
+                for pb in machines:
+                    if pb.state == S.MACHINE_STATE_CONFIGURED:
+                        per[pb.cluster] += milli_cpu(pb)
+                return all(per[c] >= UNITS * 7000 for c in CLUSTERS)
+
+            await until(served, 120, "every cluster's demand Configured", interval=0.5)
+
+            async def quiet() -> bool:
+                c = await shard.counts()
+                return c.in_flight == 0 and not any(
+                    c.by_state.get(s, 0) for s in ("MACHINE_STATE_CREATING", "MACHINE_STATE_CONFIGURING",
+                                                    "MACHINE_STATE_DRAINING", "MACHINE_STATE_DELETING"))
+
+            await until(quiet, 60, "nothing left in flight", interval=0.3)
+            machines = await spy.list_machines()
+            states = Counter(S.Name(pb.state) for pb in machines)
+            assert not states.get("MACHINE_STATE_FAILED"), states
+            configured = [pb for pb in machines if pb.state == S.MACHINE_STATE_CONFIGURED]
+            assert len(configured) >= 150  # a few hundred machines went through
+
+            creates = spy.per_machine("Create")
+            assert creates and max(creates.values()) == 1, "a machine was created twice"
+            assert set(creates) == {pb.id for pb in configured}  # every Create ended Configured
+            configures = spy.per_machine("Configure")
+            assert max(configures.values()) == 1, "a machine was configured twice"
+            assert set(configures) == set(creates)
+            assert not spy.of("Drain"), "demand never changed: nothing may be drained"
+            # Completions are read from shared incremental Lists, not one Get poll per machine.
+            assert len(spy.of("Get")) <= len(creates) // 20
+            assert len(spy.of("List")) < len(creates)
+            for op in ops:
+                latest = op.latest_node_states()
+                assert latest and set(latest.values()) == {S.MACHINE_STATE_CONFIGURED}
+        finally:
+            for op in ops:
+                await op.close()
