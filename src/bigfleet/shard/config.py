@@ -25,7 +25,7 @@ class ShardSettings(BaseSettings):
     min_cycle_gap: float = Field(0.2, ge=0)
     bootstrap_timeout: float = Field(30.0, gt=0)
     execute_timeout: float = Field(30.0, gt=0)
-    execute_concurrency: int = Field(32, ge=1)
+    execute_concurrency: int = Field(256, ge=1)  # provider mutations + bootstrap pulls in flight
     reclaim_ack_timeout: float = Field(10.0, gt=0)
     reconcile_interval: float = Field(1.0, ge=0)
     full_reconcile_every: int = Field(30, ge=1)
