@@ -1,8 +1,11 @@
 """Shard-side handoff costs: the ownership filter every reconcile applies to each provider record,
-and the durable ledger write that precedes every release/adopt ack."""
+the durable ledger write that precedes every release/adopt ack, and what the handoff-window check
+(GetClusterStatus on the Hello of an unknown cluster) adds to a Session's admission (real processes)."""
 
 from __future__ import annotations
 
+import asyncio
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -20,6 +23,65 @@ def _records(n: int) -> list[provider_pb2.Machine]:
             pb.shard_metadata[OWNER_KEY] = "A" if i % 4 == 1 else "B"
         out.append(pb)
     return out
+
+
+async def _hellos(addr: str, clusters: list[str], concurrency: int) -> list[float]:
+    """Seconds from Hello to the shard's hello ack, per cluster (``concurrency`` streams at a time)."""
+    from bigfleet.rpc import insecure_channel
+    from bigfleet.v1alpha1 import shard_pb2, shard_pb2_grpc
+
+    out: list[float] = []
+    sem = asyncio.Semaphore(concurrency)
+    async with insecure_channel(addr) as ch:
+        stub = shard_pb2_grpc.ShardStub(ch)
+
+        async def one(cid: str) -> None:
+            async with sem:
+                call = stub.Session()
+                t0 = time.perf_counter()
+                await call.write(shard_pb2.OperatorMessage(hello=shard_pb2.Hello(cluster_id=cid,
+                                                                                 protocol_version="v1alpha1")))
+                msg = await call.read()
+                out.append(time.perf_counter() - t0)
+                assert msg.WhichOneof("payload") == "ack", msg
+                call.cancel()
+
+        await asyncio.gather(*(one(c) for c in clusters))
+    return out
+
+
+def hello_admission(n: int = 1000, concurrency: int = 32) -> None:
+    """Hello -> ack latency of never-seen clusters on a shard without and with --coordinator."""
+    from bigfleet.coordinator.localgroup import CoordGroup
+    from bigfleet.testing import ManagedProcess, free_port, wait_for_health
+
+    with tempfile.TemporaryDirectory() as d:
+        g = CoordGroup(Path(d) / "coord", 1)
+        g.start_all()
+        paddr = f"127.0.0.1:{free_port()}"
+        procs = [ManagedProcess.bigfleet(["fake-provider", "--listen", paddr, "--seed-count", "4",
+                                          "--log-level", "warning"], "provider").start()]
+        try:
+            wait_for_health(paddr, 60)
+            print("\n| shard | new clusters | concurrency | Hello->ack p50 ms | p99 ms | max ms |")
+            print("|---|---:|---:|---:|---:|---:|")
+            for label, extra in (("no --coordinator", []), ("--coordinator (GetClusterStatus per Hello)",
+                                                          ["--coordinator", g.addresses[0]])):
+                saddr = f"127.0.0.1:{free_port()}"
+                sp = ManagedProcess.bigfleet(
+                    ["shard", "--shard-id", "bench", "--listen", saddr, "--provider", paddr, "--data-dir",
+                     str(Path(d) / f"shard-{len(procs)}"), "--log-level", "warning", *extra], "shard").start()
+                procs.append(sp)
+                wait_for_health(saddr, 60)
+                asyncio.run(_hellos(saddr, [f"warm-{i}" for i in range(50)], concurrency))
+                lat = sorted(asyncio.run(_hellos(saddr, [f"c-{label[:2]}-{i}" for i in range(n)], concurrency)))
+                p = statistics.quantiles(lat, n=100)
+                print(f"| {label} | {n} | {concurrency} | {p[49] * 1e3:.2f} | {p[98] * 1e3:.2f} | {lat[-1] * 1e3:.2f} |")
+                sp.stop()
+        finally:
+            for proc in procs:
+                proc.stop()
+            g.stop_all()
 
 
 def main(argv: list[str]) -> int:
@@ -44,6 +106,7 @@ def main(argv: list[str]) -> int:
                 save_ledger(Path(d) / "ownership.json", led)
             dt = (time.perf_counter() - t0) / reps
             print(f"| save_ledger (fsync) | - | {n}/0 | {dt * 1e3:.1f} | - |")
+    hello_admission()
     return 0
 
 
