@@ -46,12 +46,12 @@ def test_incremental_list_matches_a_full_scan(steps: list[tuple[int, bool, bool]
         if mid in pending and finish:
             kind, op = pending.pop(mid)
             core.complete(mid, kind, op, "boom" if fail else None, host=HostRef("p", f"h-{mid}"))
-        elif mid not in pending and (kind := NEXT.get(core.machines[mid].state)) is not None:
+        elif mid not in pending and (nxt := NEXT.get(core.machines[mid].state)) is not None:
             try:
-                ack = core.mutate(kind, mid, Z, "c1" if kind == Kind.CONFIGURE else "", {})
+                ack = core.mutate(nxt, mid, Z, "c1" if nxt == Kind.CONFIGURE else "", {})
             except KitError:
                 continue
-            pending[mid] = (kind, ack.operation_id)
+            pending[mid] = (nxt, ack.operation_id)
         if i == restore_at:  # a reload rebuilds the index from the snapshot
             snap = core.snapshot()
             core = ProviderCore()
