@@ -108,6 +108,7 @@ def test_prebind_real_run_starts_in_steady_state(tmp_path: Path) -> None:
     assert bound > 0 and res["prebind"]["plan_unsatisfied_needs"] == 0
     sh = res["shards"]["shard-1"]
     assert sh["warmup_cycles"] + sh["cycles"] >= 2 and sh["rollups_accepted"] > 0
+    assert sh["first_rollup_round_actions"] == {"Configure": 0, "Create": 0, "Drain": 0, "Delete": 0}
     assert sh["warmup_actions"] == {"Configure": 0, "Create": 0, "Drain": 0, "Delete": 0}
     assert sh["binds_issued"] == 0 and sh["drains_issued"] == 0
     assert sh["inventory"]["configured"] == bound

@@ -975,10 +975,11 @@ class _ClusterCache:
     """A cluster whose needs were all met by its own bound machines (nothing global involved), so
     its Phase-1 result, verdicts and excess can be reused while its inputs are unchanged."""
 
-    __slots__ = ("domains", "drains", "folded", "hconf", "held", "key", "needs", "rows", "verdicts")
+    __slots__ = ("credited", "domains", "drains", "folded", "gangs", "hconf", "held", "key", "needs", "rows",
+                 "verdicts")
 
     def __init__(self, key: tuple[Any, ...], needs: tuple[Need, ...], rows: list[_N], held: dict[str, _N],
-                 verdicts: list[Verdict], drains: tuple[tuple[int, int], list[Drain], int] | None,
+                 verdicts: list[Verdict], drains: tuple[tuple[int, float], list[Drain], int] | None,
                  domains: dict[str, str], hconf: int) -> None:
         self.key = key
         self.needs = needs
@@ -989,6 +990,9 @@ class _ClusterCache:
         self.domains = domains
         self.folded = 0
         self.hconf = hconf
+        self.credited = sum(n.credited for n in rows)
+        #: what `_still_stable` compares against the carried state (Same rows only; usually empty)
+        self.gangs = tuple((n.park_key, n.park_age, n.same_domain) for n in rows if n.same is not None)
 
 
 class Engine:
@@ -1150,7 +1154,7 @@ class Engine:
             cc = self._cache.get(c)
             if (cc is not None and cc.key[0] == base_key and cc.key[1] == cver
                     and (cc.key[2] is None or cc.key[2] == free_ver)
-                    and (cc.needs is cn or cc.needs == cn) and _still_stable(cc, state)):
+                    and (cc.needs is cn or cc.needs == cn) and (not cc.gangs or _still_stable(cc, state))):
                 cached[c] = cc
                 cy.held[c] = cc.held
                 cy.hconf[c] = cc.hconf
@@ -1226,23 +1230,26 @@ class Engine:
         for a in p2_actions:
             if isinstance(a, Drain):
                 victims_by_cluster.setdefault(a.cluster_id, set()).add(a.machine_id)
-        for c in sorted(ix.configured_count):
-            if c not in state.first_rollup:
+        # (a cached cluster's configured count is fixed while it stays cached, so its drains are
+        # keyed on the grace and cap fraction alone; most clusters cost two dict lookups here)
+        first, frac, counts, cache = state.first_rollup, config.reclaim_cap_fraction, ix.configured_count, self._cache
+        no_excl: set[str] = set()
+        for c in sorted(counts):
+            if c not in first:
                 continue
-            cap = ix.configured_count[c]
-            if config.reclaim_cap_fraction > 0:
-                cap = max(1, math.floor(config.reclaim_cap_fraction * ix.configured_count[c]))
-            excl = victims_by_cluster.get(c, set())
-            cc = self._cache.get(c)
-            if cc is not None and c in by_cluster and not excl:
-                if cc.drains is None or cc.drains[0] != (grace, cap):
-                    d_list, d_total = _excess(cy, c, grace, cap, excl)
-                    cc.drains = ((grace, cap), d_list, d_total)
-                _, drains, total = cc.drains
+            excl = victims_by_cluster.get(c, no_excl)
+            cc = cache.get(c)
+            if cc is not None and not excl and c in by_cluster:
+                dr = cc.drains
+                if dr is None or dr[0] != (grace, frac):
+                    d_list, d_total = _excess(cy, c, grace, _reclaim_cap(counts[c], frac), excl)
+                    dr = cc.drains = ((grace, frac), d_list, d_total)
+                drains, total = dr[1], dr[2]
             else:
-                drains, total = _excess(cy, c, grace, cap, excl)
-            reclaims.extend(drains)
-            n_deferred += total - len(drains)
+                drains, total = _excess(cy, c, grace, _reclaim_cap(counts[c], frac), excl)
+            if total:
+                reclaims.extend(drains)
+                n_deferred += total - len(drains)
         releases = _releases(cy, now, config)
         self._mark("phase3")
 
@@ -1322,7 +1329,7 @@ class Engine:
             needs_folded=folded + sum(cc.folded for cc in cached.values()),
             machines=ix.total,
             machine_classes=len(ix.classes),
-            credited=sum(n.credited for n in work) + sum(n.credited for cc in cached.values() for n in cc.rows),
+            credited=sum(n.credited for n in work) + sum(cc.credited for cc in cached.values()),
             bootstraps=sum(len(n.acquired_idle) for n in work),
             provisions=sum(len(n.acquired_spec) for n in work),
             unsatisfied=n_unsat,
@@ -1357,14 +1364,16 @@ class Engine:
         )
 
 
+def _reclaim_cap(configured: int, fraction: float) -> int:
+    return max(1, math.floor(fraction * configured)) if fraction > 0 else configured
+
+
 def _still_stable(cc: _ClusterCache, state: EngineState) -> bool:
     """A cached cluster stays valid only if the carried state agrees with what it was built from."""
-    for n in cc.rows:
-        if n.same is not None:
-            if state.parking.get(n.park_key, 0) != n.park_age:
-                return False
-            if state.same_domains.get(n.park_key) != n.same_domain:
-                return False
+    parking, domains = state.parking, state.same_domains
+    for park_key, age, domain in cc.gangs:
+        if parking.get(park_key, 0) != age or domains.get(park_key) != domain:
+            return False
     return True
 
 

@@ -54,6 +54,33 @@ def proc_rss_mb(pid: int) -> float:
     return 0.0
 
 
+def proc_children(pid: int) -> list[int]:
+    """Direct children (e.g. the shard's engine worker process)."""
+    out: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(x) for x in f.read().split())
+    except OSError:
+        pass
+    return out
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU of the process and its live children (a worker process's CPU counts for the shard)."""
+    total = 0.0
+    for p in (pid, *proc_children(pid)):
+        try:
+            total += proc_cpu_seconds(p)
+        except OSError:
+            pass
+    return total
+
+
+def tree_rss_mb(pid: int) -> float:
+    return sum(proc_rss_mb(p) for p in (pid, *proc_children(pid)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bigfleet scaletest", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,7 +142,7 @@ class Sampler(threading.Thread):
                 binds = sum(stats.delta(smp, {}, "bigfleet_shard_actions_total", kind=k) for k in BIND_KINDS)
                 binds += sum(stats.delta(smp, {}, "bigfleet_shard_actions_dryrun_total", kind=k) for k in BIND_KINDS)
                 self.series[s.name].append((cyc, binds))
-                self.rss_max[s.name] = max(self.rss_max[s.name], proc_rss_mb(s.proc.pid))
+                self.rss_max[s.name] = max(self.rss_max[s.name], tree_rss_mb(s.proc.pid))
 
 
 def _fetch(url: str, timeout: float = 10.0) -> str:
@@ -248,13 +275,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workers: list[subprocess.Popen[str]] = []
     try:
         shards, coord, coord_addr = start_fleet(args, workdir)
-        rss_idle = {s.name: proc_rss_mb(s.proc.pid) for s in shards}
+        rss_idle = {s.name: tree_rss_mb(s.proc.pid) for s in shards}
         at_start = {s.name: stats.parse(_fetch(s.metrics_url)) for s in shards}
         t_open = time.perf_counter()
         workers = start_workers(args, shards, coord_addr, workdir)
         ready = sum(int(_read_tagged(p, "READY")) for p in workers)
         open_s = time.perf_counter() - t_open
-        rss_open = {s.name: proc_rss_mb(s.proc.pid) for s in shards}
+        rss_open = {s.name: tree_rss_mb(s.proc.pid) for s in shards}
         now = time.time()
         t_from, t_stop = now + args.warmup, now + args.warmup + args.duration
         for p in workers:
@@ -262,15 +289,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             p.stdin.write(f"GO {t_from} {t_stop}\n")
             p.stdin.flush()
         sampler = Sampler(shards)
+        # In the first interval every session sends only its initial (unchanged) roll-up: what the
+        # shard issues by then is what the starting fleet lacks (prebind: should be ~nothing).
+        time.sleep(max(0.0, min(t_from, now + 0.95 * args.interval) - time.time()))
+        first_round = {s.name: stats.parse(_fetch(s.metrics_url)) for s in shards}
         time.sleep(max(0.0, t_from - time.time()))
         before = {s.name: stats.parse(_fetch(s.metrics_url)) for s in shards}
-        cpu0 = {s.name: proc_cpu_seconds(s.proc.pid) for s in shards}
+        cpu0 = {s.name: tree_cpu_seconds(s.proc.pid) for s in shards}
         pcpu0 = {s.name: proc_cpu_seconds(s.provider.pid) for s in shards}
         m0 = time.perf_counter()
         sampler.start()
         time.sleep(max(0.0, t_stop - time.time()))
         after = {s.name: stats.parse(_fetch(s.metrics_url)) for s in shards}
-        cpu1 = {s.name: proc_cpu_seconds(s.proc.pid) for s in shards}
+        cpu1 = {s.name: tree_cpu_seconds(s.proc.pid) for s in shards}
         pcpu1 = {s.name: proc_cpu_seconds(s.provider.pid) for s in shards}
         window = time.perf_counter() - m0
         sampler.stop_evt.set()
@@ -279,7 +310,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for p in workers:
             p.wait(timeout=60)
         return report(args, shards, results, before, after, window, cpu0, cpu1, pcpu0, pcpu1, rss_idle, rss_open,
-                      sampler, ready, open_s, workdir, at_start)
+                      sampler, ready, open_s, workdir, at_start, first_round)
     finally:
         for p in workers:
             if p.poll() is None:
@@ -296,7 +327,8 @@ def report(args: argparse.Namespace, shards: list[ShardProc], results: list[dict
            before: dict[str, stats.Samples], after: dict[str, stats.Samples], window: float,
            cpu0: dict[str, float], cpu1: dict[str, float], pcpu0: dict[str, float], pcpu1: dict[str, float],
            rss_idle: dict[str, float], rss_open: dict[str, float], sampler: Sampler, ready: int, open_s: float,
-           workdir: Path, at_start: dict[str, stats.Samples] | None = None) -> dict[str, Any]:
+           workdir: Path, at_start: dict[str, stats.Samples] | None = None,
+           first_round: dict[str, stats.Samples] | None = None) -> dict[str, Any]:
     ack = [x for r in results for x in r["ack"]]
     first_bind = [x for r in results for x in r["first_bind"]]
     per_shard_sessions: dict[str, int] = {}
@@ -332,8 +364,10 @@ def report(args: argparse.Namespace, shards: list[ShardProc], results: list[dict
         binds_dry = sum(stats.delta(a, b, "bigfleet_shard_actions_dryrun_total", kind=k) for k in BIND_KINDS)
         z = (at_start or {}).get(s.name, {})
         # from shard start to the measurement window: the first cycles that credit the (pre-)bound fleet
-        warm = {k: stats.delta(b, z, "bigfleet_shard_actions_total", kind=k)
-                for k in ("Configure", "Create", "Drain", "Delete")}
+        kinds = ("Configure", "Create", "Drain", "Delete")
+        warm = {k: stats.delta(b, z, "bigfleet_shard_actions_total", kind=k) for k in kinds}
+        fr = (first_round or {}).get(s.name, {})
+        first = {k: stats.delta(fr, z, "bigfleet_shard_actions_total", kind=k) for k in kinds} if fr else {}
         peak, mean = stats.per_cycle_peaks(sampler.series[s.name])
         phases = {}
         for ph in stats.label_values(a, "bigfleet_shard_cycle_phase_duration_seconds_bucket", "phase"):
@@ -358,6 +392,7 @@ def report(args: argparse.Namespace, shards: list[ShardProc], results: list[dict
             "binds_issued": binds,
             "binds_dry_run": binds_dry,
             "drains_issued": stats.delta(a, b, "bigfleet_shard_actions_total", kind="Drain"),
+            "first_rollup_round_actions": first,
             "warmup_actions": warm,
             "warmup_cycles": stats.delta(b, z, "bigfleet_shard_cycles_total"),
             "binds_per_cycle_mean": mean,
