@@ -68,3 +68,32 @@ def test_node_state_update_forwards_the_machines_taints() -> None:
     assert [(t.key, t.value, t.effect) for t in u.taints] == [("nvidia.com/gpu", "present", "NoSchedule")]
     assert not node_state_update(record_from_instance(_inst(), State.SPECULATIVE).to_proto(), "c1") \
         .node_state_update.taints
+
+
+def test_conformance_shape_check_validates_declared_taints() -> None:
+    from bigfleet.provider.conformance.checks import shape_problems
+
+    m = provider_pb2.Machine(id="x", state=provider_pb2.MACHINE_STATE_SPECULATIVE, instance_type="t",
+                             taints=[provider_pb2.NodeTaint(key="k", effect="Sometimes")])
+    assert any("taint" in p for p in shape_problems(m))
+    m.taints[0].effect = "NoExecute"
+    assert shape_problems(m) == []
+
+
+@pytest.mark.slow
+def test_fake_provider_with_taints_passes_the_shape_check() -> None:
+    import subprocess
+    import sys
+
+    from bigfleet.testing import ManagedProcess, free_port, wait_for_health
+
+    addr = f"127.0.0.1:{free_port()}"
+    p = ManagedProcess.bigfleet(["fake-provider", "--listen", addr, "--seed-count", "4", "--committed-count", "2",
+                                 "--node-taint", "gpu=yes:NoSchedule"], "provider").start()
+    try:
+        wait_for_health(addr, 60)
+        r = subprocess.run([sys.executable, "-m", "bigfleet.cli.main", "conformance", "--target", addr, "--only",
+                            "C501,C101", "--quiet"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "2 passed" in r.stdout, r.stdout + r.stderr
+    finally:
+        p.stop()

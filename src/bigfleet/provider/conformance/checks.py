@@ -93,6 +93,9 @@ def _qty(v: str) -> float | None:
     return float(m.group(1))
 
 
+_TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
 def shape_problems(m: pb.Machine, strict_everywhere: bool = False) -> list[str]:
     """Field-shape rules every machine record must follow (R-SHAPE)."""
     p: list[str] = []
@@ -131,6 +134,9 @@ def shape_problems(m: pb.Machine, strict_everywhere: bool = False) -> list[str]:
             p.append(f"{who}: empty zone")
     if m.state == FAILED and not m.last_error:
         p.append(f"{who}: FAILED without last_error")
+    for t in m.taints:  # optional (Python addition); when declared they must be valid Kubernetes taints
+        if not t.key or t.effect not in _TAINT_EFFECTS:
+            p.append(f"{who}: taint {t.key!r}={t.value!r}:{t.effect!r} needs a key and a valid effect")
     res, alloc = dict(m.resources.resources), dict(m.allocatable.resources)
     for k in set(res) & set(alloc):
         r, a = _qty(res[k]), _qty(alloc[k])
@@ -626,7 +632,7 @@ def bad_requests(c: Ctx) -> None:
 # ==================================================================================================
 
 
-@check("core", "C501", "every machine has a valid shape (ids, states, cost fields, host/cluster rules)")
+@check("core", "C501", "every machine has a valid shape (ids, states, cost fields, host/cluster rules, taints)")
 def shape_all(c: Ctx) -> None:
     lst = c.h.list()
     expect(lst.machines, "List returned no machines")
