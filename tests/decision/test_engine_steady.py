@@ -10,6 +10,7 @@ from dataclasses import fields
 import pytest
 
 from bigfleet.decision import Configure, Create, Delete, Drain, Engine, EngineConfig, EngineState, decide
+from bigfleet.decision.index import IDLE
 from bigfleet.machine import CapacityType, Inventory, Machine
 from bigfleet.needs import Need, NeedsTable, Operator, PenaltyBucket, Profile, Requirement, Resources
 
@@ -172,3 +173,63 @@ def test_free_pool_changes_recompute_only_clusters_whose_folding_depends_on_them
     assert d5.stats.needs_folded == 1
     assert [(a.machine_id, a.cluster_id) for a in d5.actions if isinstance(a, Configure)] == [("x", "b")]
     assert d5.stats.clusters_reused == 1  # a, untouched throughout
+
+
+def _one_at_a_time(cy, n, state, c):  # type: ignore[no-untyped-def]
+    """The reference `_bulk_take` replaces: head, take, subtract, per machine."""
+    from bigfleet.decision import engine as eng_mod
+
+    key = (state, c.idx)
+    while any(n.remaining):
+        m = cy.head(key)
+        if m is None:
+            return
+        cy.take(m, n, key)
+        (n.acquired_idle if state == IDLE else n.acquired_spec).append(m)
+        n.remaining = eng_mod._sub(n.remaining, cy.alloc[c.idx])
+
+
+def _bulk_acquire_check(ms: list[Machine], ns: list[Need], ready: frozenset[str]) -> None:
+    from unittest import mock
+
+    from bigfleet.decision import engine as eng_mod
+
+    from .test_engine_properties import _decide
+
+    fast = _decide(ns, ms, ready)
+    with mock.patch.object(eng_mod, "_bulk_take", _one_at_a_time):
+        slow = _decide(ns, ms, ready)
+    assert fast == slow
+
+
+def test_bulk_acquisition_equals_machine_by_machine() -> None:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from .test_engine_properties import CLUSTERS as PCLUSTERS
+    from .test_engine_properties import homogeneous_fleet, machines, needs
+
+    cfg = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    cfg(given(machines(), needs(), st.frozensets(st.sampled_from(PCLUSTERS)))(_bulk_acquire_check))()
+    cfg(given(homogeneous_fleet(), needs(), st.just(frozenset(PCLUSTERS)))(_bulk_acquire_check))()
+
+
+def test_fast_built_actions_equal_constructed_ones() -> None:
+    import pickle
+
+    from bigfleet.decision import engine as eng_mod
+
+    m = machine("x1")
+    reqs = (Requirement(TYPE_KEY, Operator.IN, ("t",)),)
+    fields_ = {"machine_id": "", "cluster_id": "c", "need_fingerprint": "fp", "priority": 7,
+               "interruption_penalty_dollars": 64.0, "reclamation_penalty_dollars": 0.0, "requirements": reqs,
+               "group": "g"}
+    out: list[object] = []
+    eng_mod._fast_each(Create, [m], {**fields_, "reason": "speculative", "kind": "create"}, out)
+    eng_mod._fast_each(Configure, [m], {**fields_, "reason": "idle", "kind": "configure"}, out)
+    want = [Create("x1", "c", "fp", 7, 64.0, 0.0, reqs, "g", "speculative"),
+            Configure("x1", "c", "fp", 7, 64.0, 0.0, reqs, "g", "idle")]
+    assert out == want
+    assert [hash(a) for a in out] == [hash(a) for a in want]
+    assert [repr(a) for a in out] == [repr(a) for a in want]
+    assert pickle.loads(pickle.dumps(out)) == want
