@@ -133,3 +133,55 @@ async def test_release_that_cannot_settle_fails_and_keeps_serving(tmp_path: Path
             await until(lambda: back.acks("rollup"), 20, "c3 served again")
             assert back.status is None
         assert sorted(bound(daemon, "c3")) == sorted(ids) and daemon.view.get(ids[0]) is not None
+
+
+class _Coordinator:
+    """Stands in for the coordinator client: answers GetClusterStatus from a script, counts calls."""
+
+    def __init__(self, answer: object) -> None:
+        self.answer = answer
+        self.calls = 0
+
+    async def call(self, method: str, request: object, timeout: float | None = None) -> object:
+        assert method == "GetClusterStatus" and isinstance(request, cpb.GetClusterStatusRequest)
+        self.calls += 1
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+async def test_handoff_window_hold_rules(tmp_path: Path) -> None:
+    async with running(tmp_path) as (daemon, handoff, _spy, addr):
+        incoming = cpb.GetClusterStatusResponse(cluster_id="c9", bound=True, shard_id="B", binding_epoch=2,
+                                                handoff_to_shard_id="A", handoff_phase="adopting")
+        coord = _Coordinator(incoming)
+        handoff.coordinator, handoff.adoption_hold = coord, 0.3
+        # Being handed to us and not adopted yet: held, then UNAVAILABLE + retry-later, nothing served.
+        async with FakeOperator(addr, "c9") as op:
+            await until(lambda: op.status is not None, 20, "the early Hello answered")
+            assert op.status == grpc.StatusCode.UNAVAILABLE and "being handed to this shard" in op.details
+            assert await trailer(op, "bigfleet-retry-later") == "handoff" and not op.frames
+        assert daemon.metrics.handoff_sessions_held._value.get() == 1
+        # A held Hello is admitted the moment the adoption finishes.
+        handoff.adoption_hold = 30.0
+        async with FakeOperator(addr, "c9") as op2:
+            await until(lambda: coord.calls == 2, 20, "the second Hello checked")
+            assert not op2.acks("hello")
+            await handoff.adopt_cluster(cpb.AdoptCluster(cluster_id="c9", handoff_id="h9", from_shard_id="B"))
+            await until(lambda: op2.acks("hello"), 20, "the held Hello admitted")
+        # Adopted here: later Hellos cost no round trip.
+        async with FakeOperator(addr, "c9") as op3:
+            await until(lambda: op3.acks("hello"), 20, "c9 admitted again")
+        assert coord.calls == 2
+        # Bound elsewhere with no handoff to us (a misdirected operator): admitted as before.
+        coord.answer = cpb.GetClusterStatusResponse(cluster_id="c8", bound=True, shard_id="B")
+        async with FakeOperator(addr, "c8") as op4:
+            await until(lambda: op4.acks("hello"), 20, "c8 admitted")
+        # Coordinator down: admitted, and the next unknown Hellos do not wait on it for a while.
+        coord.answer = RuntimeError("coordinator unreachable")
+        async with FakeOperator(addr, "c7") as op5:
+            await until(lambda: op5.acks("hello"), 20, "c7 admitted despite the coordinator")
+        calls = coord.calls
+        async with FakeOperator(addr, "c6") as op6:
+            await until(lambda: op6.acks("hello"), 20, "c6 admitted")
+        assert coord.calls == calls

@@ -210,6 +210,10 @@ class ShardHandoff(BaseInstructionHandler):
         self.coordinator: Any = None
         self.adoption_hold = 2.0
         self.status_timeout = 2.0
+        # After a failed status call, admit without asking for this long (a down coordinator must not
+        # add its timeout to every Hello of a mass reconnect).
+        self.status_backoff = 5.0
+        self._status_skip_until = 0.0
         self._adopted_events: dict[str, asyncio.Event] = {}  # cluster -> set once adopt_cluster finished
         # Hook the daemon: reconcile keeps only our machines; Sessions of released clusters are refused.
         daemon.owns = self.ledger.owns
@@ -244,12 +248,17 @@ class ShardHandoff(BaseInstructionHandler):
         """None to admit the Session; else why it must come back later (a handoff to us not adopted yet)."""
         if self.coordinator is None or self._known(cluster_id):
             return None
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._status_skip_until:
+            return None
         try:
             st = await self.coordinator.call(
                 "GetClusterStatus", coordinator_pb2.GetClusterStatusRequest(cluster_id=cluster_id),
                 timeout=self.status_timeout)
         except Exception as exc:  # fail open: the coordinator must never gate serving
-            log.info("cluster status unknown; admitting the session", cluster=cluster_id, error=str(exc)[:200])
+            self._status_skip_until = loop.time() + self.status_backoff
+            log.info("cluster status unknown; admitting sessions without asking for a while", cluster=cluster_id,
+                     error=str(exc)[:200], seconds=self.status_backoff)
             return None
         me = self.daemon.config.shard_id
         if st.handoff_to_shard_id != me or not st.handoff_phase:
