@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the decision engine runs: worker (default: a long-lived process fed deltas), "
                         "thread, inline (on the event loop), fork (a forked child per cycle)")
     p.add_argument("--engine-timeout", type=float, help="seconds before a silent engine worker is replaced")
+    p.add_argument("--engine-nice", type=int, help="niceness added to the engine worker (0-19; sessions win the CPU)")
     p.add_argument("--engine-fork", action="store_const", const=True, help="same as --engine-mode fork")
     p.add_argument("--paused", action="store_const", const=True)
     ha = p.add_argument_group("replica group (shard HA, off unless --raft-bind is given)")
@@ -244,4 +245,5 @@ def daemon_config(settings: Any, epoch: int) -> Any:
         compute_fork=settings.engine_fork,
         engine_mode=settings.engine_mode,
         engine_timeout=settings.engine_timeout,
+        engine_nice=settings.engine_nice,
     )

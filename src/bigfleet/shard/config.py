@@ -42,6 +42,7 @@ class ShardSettings(BaseSettings):
     # Where the decision engine runs (see DaemonConfig.engine_mode); engine_fork is the old spelling of "fork".
     engine_mode: Literal["worker", "thread", "inline", "fork"] = "worker"
     engine_timeout: float = Field(120.0, gt=0)
+    engine_nice: int = Field(10, ge=0, le=19)
     # Which provider machines are this shard's when shards share a provider (see shard/handoff.py).
     ownership: Literal["exclusive", "shared"] = "exclusive"
     gil_switch_interval: float = Field(0.0005, gt=0, le=0.1)

@@ -23,6 +23,7 @@ import contextlib
 import gc
 import os
 import pickle
+import signal
 import struct
 import subprocess
 import sys
@@ -332,8 +333,14 @@ def read_frame(inp: IO[bytes]) -> bytes | None:
     return data
 
 
-def worker_main() -> int:
-    """The worker process: requests on stdin, replies on stdout, until stdin closes."""
+def worker_main(argv: list[str] | None = None) -> int:
+    """The worker process: requests on stdin, replies on stdout, until stdin closes.
+    ``argv``: an optional niceness increment (the shard's session loop should win the CPU)."""
+    args = sys.argv[1:] if argv is None else argv
+    if args and int(args[0]) > 0:
+        os.nice(int(args[0]))
+    # Its lifetime is the pipe's: a Ctrl-C meant for the shard must not kill it mid-cycle.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything printed by accident goes to the log, not into the reply stream
     inp = os.fdopen(0, "rb")
@@ -360,9 +367,9 @@ def worker_main() -> int:
 class EngineWorker:
     """The shard's handle on one worker process (start, round trip with a deadline, stop)."""
 
-    def __init__(self, timeout: float = 120.0, argv: list[str] | None = None) -> None:
+    def __init__(self, timeout: float = 120.0, argv: list[str] | None = None, nice: int = 0) -> None:
         self.timeout = timeout
-        self.argv = argv or [sys.executable, "-m", "bigfleet.shard.engineproc"]
+        self.argv = argv or [sys.executable, "-m", "bigfleet.shard.engineproc", str(nice)]
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 

@@ -78,6 +78,10 @@ class ShardMetrics:
             "bigfleet_shard_engine_worker_resyncs_total", "Cycles that sent the engine worker a full copy of its inputs",
             registry=r,
         )
+        self.gc_pause = Histogram(
+            "bigfleet_shard_gc_pause_seconds", "Cyclic garbage collector pauses (they stall the session loop)",
+            ["generation"], buckets=_exp(0.001, 2, 12), registry=r,
+        )
         # Cross-shard handoff (shard/handoff.py).
         self.handoff_machines = Counter(
             "bigfleet_shard_handoff_machines_total", "Machines released to or adopted from other shards",
