@@ -317,3 +317,15 @@ async def test_slots_hand_over_to_urgent_waiters_first() -> None:
     slots.release()
     assert slots.free == 1 and slots.waiting == 0
     await asyncio.gather(normal, urgent)
+
+
+async def test_time_spent_queueing_for_a_slot_does_not_count_against_the_transition_timeout() -> None:
+    async with rig(6, concurrency=1, execute_timeout=0.5) as r:
+        await r.executor._slots.acquire(urgent=False)  # the only slot is busy elsewhere ...
+        for mid in r.ids:
+            r.executor.submit_create(mid, binding())
+        await asyncio.sleep(1.2)  # ... for longer than a transition may take
+        assert r.rpcs("Create") == 0
+        r.executor._slots.release()
+        await until(lambda: settled(r), 30, "the queued flows")
+        assert r.states() == {"MACHINE_STATE_CONFIGURED": 6}

@@ -311,10 +311,15 @@ class Executor:
         if latest is not None:
             self.view.set(latest)
 
+    def _deadline(self, extra: float = 0.0) -> float:
+        """When a transition the provider just accepted counts as timed out (queueing for a slot
+        before the call does not eat into it: a big backlog must not FAIL machines it never reached)."""
+        return self.clock() + self.config.execute_timeout + extra
+
     async def _wait_state(self, machine_id: str, targets: set[int], deadline: float) -> provider_pb2.Machine:
         """The machine's record once it reaches one of ``targets`` (or FAILED); TimeoutError at ``deadline``."""
         if not self.config.watch:
-            return await self._poll_state(machine_id, targets, deadline)
+            return await self._poll_state(machine_id, targets, self._deadline())
         want = frozenset(targets)
         fut: asyncio.Future[provider_pb2.Machine] = asyncio.get_running_loop().create_future()
         self._waiters[machine_id] = _Waiter(fut, want, self._watch_gen, self.clock())
@@ -425,13 +430,12 @@ class Executor:
         task.add_done_callback(self._tasks.discard)
 
     async def _provision(self, machine_id: str, binding: Binding | None) -> None:
-        deadline = self.clock() + self.config.execute_timeout
         try:
             async with self._step(urgent=False):
                 ack = await self.provider.create(machine_id)
             self.view.provider_latest[machine_id] = ack.machine
             if ack.machine.state != S.MACHINE_STATE_IDLE:
-                pb = await self._wait_state(machine_id, {S.MACHINE_STATE_IDLE}, deadline)
+                pb = await self._wait_state(machine_id, {S.MACHINE_STATE_IDLE}, self._deadline())
             else:
                 pb = ack.machine
         except ProviderError as exc:
@@ -483,13 +487,12 @@ class Executor:
             self._release_to(machine_id, base)
             self._outcome(kind, "blob_error")
             return
-        deadline = self.clock() + self.config.execute_timeout
         try:
             async with self._step(urgent=True):
                 ack = await self.provider.configure(machine_id, binding.cluster_id, blob.user_data, binding.metadata())
             pb = ack.machine
             if pb.state != S.MACHINE_STATE_CONFIGURED:
-                pb = await self._wait_state(machine_id, {S.MACHINE_STATE_CONFIGURED}, deadline)
+                pb = await self._wait_state(machine_id, {S.MACHINE_STATE_CONFIGURED}, self._deadline())
         except ProviderError as exc:
             self._handle_error(kind, machine_id, exc, "configure_error")
             return
@@ -516,13 +519,12 @@ class Executor:
                 log.info("reclaim acknowledged", machine=machine_id, node=node, nodes_started=started)
             except (TimeoutError, asyncio.CancelledError):
                 log.info("no reclaim ack; draining anyway", machine=machine_id)
-        deadline = self.clock() + self.config.execute_timeout + grace
         try:
             async with self._step(urgent=True):
                 ack = await self.provider.drain(machine_id, grace)
             pb = ack.machine
             if pb.state != S.MACHINE_STATE_IDLE:
-                pb = await self._wait_state(machine_id, {S.MACHINE_STATE_IDLE}, deadline)
+                pb = await self._wait_state(machine_id, {S.MACHINE_STATE_IDLE}, self._deadline(grace))
         except ProviderError as exc:
             self._handle_error(kind, machine_id, exc)
             return
@@ -537,13 +539,12 @@ class Executor:
         self._outcome(kind, "success" if pb.state == S.MACHINE_STATE_IDLE else "transition_error")
 
     async def _delete_flow(self, machine_id: str) -> None:
-        deadline = self.clock() + self.config.execute_timeout
         try:
             async with self._step(urgent=False):
                 ack = await self.provider.delete(machine_id)
             pb = ack.machine
             if pb.state != S.MACHINE_STATE_SPECULATIVE:
-                pb = await self._wait_state(machine_id, {S.MACHINE_STATE_SPECULATIVE}, deadline)
+                pb = await self._wait_state(machine_id, {S.MACHINE_STATE_SPECULATIVE}, self._deadline())
         except ProviderError as exc:
             self._handle_error("Delete", machine_id, exc)
             return
