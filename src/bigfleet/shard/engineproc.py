@@ -82,8 +82,9 @@ class CycleReply:
 
 
 #: suppressed and deferred actions shipped back per cycle (a dry run at 100k machines suppresses
-#: ~50 000 Creates per cycle: only counts and a sample are worth unpickling on the shard)
-SUPPRESSED_SAMPLE = 1000
+#: ~50 000 Creates per cycle: only counts and a sample are worth unpickling on the shard; the
+#: dashboard's action log keeps 200)
+SUPPRESSED_SAMPLE = 200
 
 
 def verdict_row(v: Any) -> tuple[Any, ...]:
