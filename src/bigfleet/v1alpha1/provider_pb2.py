@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n bigfleet/v1alpha1/provider.proto\x12\x11\x62igfleet.v1alpha1\"(\n\x07HostRef\x12\x10\n\x08provider\x18\x01 \x01(\t\x12\x0b\n\x03ref\x18\x02 \x01(\t\"}\n\tResources\x12>\n\tresources\x18\x01 \x03(\x0b\x32+.bigfleet.v1alpha1.Resources.ResourcesEntry\x1a\x30\n\x0eResourcesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa7\x05\n\x07Machine\x12\n\n\x02id\x18\x01 \x01(\t\x12.\n\x05state\x18\x02 \x01(\x0e\x32\x1f.bigfleet.v1alpha1.MachineState\x12(\n\x04host\x18\x03 \x01(\x0b\x32\x1a.bigfleet.v1alpha1.HostRef\x12\x15\n\rinstance_type\x18\x04 \x01(\t\x12\x0c\n\x04zone\x18\x05 \x01(\t\x12\x36\n\rcapacity_type\x18\x06 \x01(\x0e\x32\x1f.bigfleet.v1alpha1.CapacityType\x12\x16\n\x0eprice_per_hour\x18\x07 \x01(\x01\x12 \n\x18interruption_probability\x18\x08 \x01(\x01\x12/\n\tresources\x18\t \x01(\x0b\x32\x1c.bigfleet.v1alpha1.Resources\x12\x36\n\x06labels\x18\n \x03(\x0b\x32&.bigfleet.v1alpha1.Machine.LabelsEntry\x12\x12\n\nlast_error\x18\x0c \x01(\t\x12\x31\n\x0b\x61llocatable\x18\r \x01(\x0b\x32\x1c.bigfleet.v1alpha1.Resources\x12\x0f\n\x07\x63luster\x18\x0e \x01(\t\x12\x45\n\x0eshard_metadata\x18\x0f \x03(\x0b\x32-.bigfleet.v1alpha1.Machine.ShardMetadataEntry\x12,\n\x06taints\x18\x10 \x03(\x0b\x32\x1c.bigfleet.v1alpha1.NodeTaint\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x34\n\x12ShardMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x0b\x10\x0c\"7\n\tNodeTaint\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\x0e\n\x06\x65\x66\x66\x65\x63t\x18\x03 \x01(\t\"\x18\n\nMachineRef\x12\n\n\x02id\x18\x01 \x01(\t\"M\n\x0bMachineList\x12,\n\x08machines\x18\x01 \x03(\x0b\x32\x1a.bigfleet.v1alpha1.Machine\x12\x10\n\x08revision\x18\x02 \x01(\x0c\"v\n\nListFilter\x12/\n\x06states\x18\x01 \x03(\x0e\x32\x1f.bigfleet.v1alpha1.MachineState\x12\x13\n\x0bmax_results\x18\x04 \x01(\x05\x12\x16\n\x0esince_revision\x18\x05 \x01(\x0cJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04\"i\n\rCreateRequest\x12\x12\n\nmachine_id\x18\x01 \x01(\t\x12\x10\n\x08shard_id\x18\x03 \x01(\t\x12\x13\n\x0bshard_epoch\x18\x04 \x01(\x03\x12\x17\n\x0fsequence_number\x18\x05 \x01(\x03J\x04\x08\x02\x10\x03\"\x98\x02\n\x10\x43onfigureRequest\x12\x12\n\nmachine_id\x18\x01 \x01(\t\x12\x12\n\ncluster_id\x18\x02 \x01(\t\x12\x16\n\x0e\x62ootstrap_blob\x18\x03 \x01(\x0c\x12\x10\n\x08shard_id\x18\x04 \x01(\t\x12\x13\n\x0bshard_epoch\x18\x05 \x01(\x03\x12\x17\n\x0fsequence_number\x18\x06 \x01(\x03\x12N\n\x0eshard_metadata\x18\x07 \x03(\x0b\x32\x36.bigfleet.v1alpha1.ConfigureRequest.ShardMetadataEntry\x1a\x34\n\x12ShardMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x80\x01\n\x0c\x44rainRequest\x12\x12\n\nmachine_id\x18\x01 \x01(\t\x12\x1c\n\x14grace_period_seconds\x18\x02 \x01(\x03\x12\x10\n\x08shard_id\x18\x03 \x01(\t\x12\x13\n\x0bshard_epoch\x18\x04 \x01(\x03\x12\x17\n\x0fsequence_number\x18\x05 \x01(\x03\"c\n\rDeleteRequest\x12\x12\n\nmachine_id\x18\x01 \x01(\t\x12\x10\n\x08shard_id\x18\x02 \x01(\t\x12\x13\n\x0bshard_epoch\x18\x03 \x01(\x03\x12\x17\n\x0fsequence_number\x18\x04 \x01(\x03\"R\n\rTransitionAck\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12+\n\x07machine\x18\x02 \x01(\x0b\x32\x1a.bigfleet.v1alpha1.Machine*\x8f\x02\n\x0cMachineState\x12\x1d\n\x19MACHINE_STATE_UNSPECIFIED\x10\x00\x12\x1d\n\x19MACHINE_STATE_SPECULATIVE\x10\x01\x12\x1a\n\x16MACHINE_STATE_CREATING\x10\x02\x12\x16\n\x12MACHINE_STATE_IDLE\x10\x03\x12\x1d\n\x19MACHINE_STATE_CONFIGURING\x10\x04\x12\x1c\n\x18MACHINE_STATE_CONFIGURED\x10\x05\x12\x1a\n\x16MACHINE_STATE_DRAINING\x10\x06\x12\x1a\n\x16MACHINE_STATE_DELETING\x10\x07\x12\x18\n\x14MACHINE_STATE_FAILED\x10\x08*\x9c\x01\n\x0c\x43\x61pacityType\x12\x1d\n\x19\x43\x41PACITY_TYPE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x43\x41PACITY_TYPE_BARE_METAL\x10\x01\x12\x1a\n\x16\x43\x41PACITY_TYPE_RESERVED\x10\x02\x12\x1b\n\x17\x43\x41PACITY_TYPE_ON_DEMAND\x10\x03\x12\x16\n\x12\x43\x41PACITY_TYPE_SPOT\x10\x04\x32\xd7\x03\n\x10\x43\x61pacityProvider\x12L\n\x06\x43reate\x12 .bigfleet.v1alpha1.CreateRequest\x1a .bigfleet.v1alpha1.TransitionAck\x12R\n\tConfigure\x12#.bigfleet.v1alpha1.ConfigureRequest\x1a .bigfleet.v1alpha1.TransitionAck\x12J\n\x05\x44rain\x12\x1f.bigfleet.v1alpha1.DrainRequest\x1a .bigfleet.v1alpha1.TransitionAck\x12L\n\x06\x44\x65lete\x12 .bigfleet.v1alpha1.DeleteRequest\x1a .bigfleet.v1alpha1.TransitionAck\x12@\n\x03Get\x12\x1d.bigfleet.v1alpha1.MachineRef\x1a\x1a.bigfleet.v1alpha1.Machine\x12\x45\n\x04List\x12\x1d.bigfleet.v1alpha1.ListFilter\x1a\x1e.bigfleet.v1alpha1.MachineListb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n bigfleet/v1alpha1/provider.proto\x12\x11\x62igfleet.v1alpha1\"(\n\x07HostRef\x12\x10\n\x08provider\x18\x01 \x01(\t\x12\x0b\n\x03ref\x18\x02 \x01(\t\"}\n\tResources\x12>\n\tresources\x18\x01 \x03(\x0b\x32+.bigfleet.v1alpha1.Resources.ResourcesEntry\x1a\x30\n\x0eResourcesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa8\x05\n\x07Machine\x12\n\n\x02id\x18\x01 \x01(\t\x12.\n\x05state\x18\x02 \x01(\x0e\x32\x1f.bigfleet.v1alpha1.MachineState\x12(\n\x04host\x18\x03 \x01(\x0b\x32\x1a.bigfleet.v1alpha1.HostRef\x12\x15\n\rinstance_type\x18\x04 \x01(\t\x12\x0c\n\x04zone\x18\x05 \x01(\t\x12\x36\n\rcapacity_type\x18\x06 \x01(\x0e\x32\x1f.bigfleet.v1alpha1.CapacityType\x12\x16\n\x0eprice_per_hour\x18\x07 \x01(\x01\x12 \n\x18interruption_probability\x18\x08 \x01(\x01\x12/\n\tresources\x18\t \x01(\x0b\x32\x1c.bigfleet.v1alpha1.Resources\x12\x36\n\x06labels\x18\n \x03(\x0b\x32&.bigfleet.v1alpha1.Machine.LabelsEntry\x12\x12\n\nlast_error\x18\x0c \x01(\t\x12\x31\n\x0b\x61llocatable\x18\r \x01(\x0b\x32\x1c.bigfleet.v1alpha1.Resources\x12\x0f\n\x07\x63luster\x18\x0e \x01(\t\x12\x45\n\x0eshard_metadata\x18\x0f \x03(\x0b\x32-.bigfleet.v1alpha1.Machine.ShardMetadataEntry\x12-\n\x06taints\x18\xe9\x07 \x03(\x0b\x32\x1c.bigfleet.v1alpha1.NodeTaint\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x34\n\x12ShardMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x0b\x10\x0c\"7\n\tNodeTaint\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\x0e\n\x06\x65\x66\x66\x65\x63t\x18\x03 \x01(\t\"\x18\n\nMachineRef\x12\n\n\x02id\x18\x01 \x01(\t\"M\n\x0bMachineList\x12,\n\x08machines\x18\x01 \x03(\x0b\x32\x1a.bigfleet.v1alpha1.Machine\x12\x10\n\x08revision\x18\x02 \x01(\x0c\"v\n\nListFilter\x12/\n\x06states\x18\x01 \x03(\x0e\x32\x1f.bigfleet.v1alpha1.MachineState\x12\x13\n\x0bmax_results\x18\x04 \x01(\x05\x12\x16\n\x0esince_revision\x18\x05 \x01(\x0cJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04\"i\n\rCreateRequest\x12\x12\n\nmachine_id\x18\x01 \x01(\t\x12\x10\n\x08shard_id\x18\x03 \x01(\t\x12\x13\n\x0bshard_epoch\x18\x04 \x01(\x03\x12\x17\n\x0fsequence_number\x18\x05 \x01(\x03J\x04\x08\x02\x10\x03\"\x98\x02\n\x10\x43onfigureRequest\x12\x12\n\nmachine_id\x18\x01 \x01(\t\x12\x12\n\ncluster_id\x18\x02 \x01(\t\x12\x16\n\x0e\x62ootstrap_blob\x18\x03 \x01(\x0c\x12\x10\n\x08shard_id\x18\x04 \x01(\t\x12\x13\n\x0bshard_epoch\x18\x05 \x01(\x03\x12\x17\n\x0fsequence_number\x18\x06 \x01(\x03\x12N\n\x0eshard_metadata\x18\x07 \x03(\x0b\x32\x36.bigfleet.v1alpha1.ConfigureRequest.ShardMetadataEntry\x1a\x34\n\x12ShardMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x80\x01\n\x0c\x44rainRequest\x12\x12\n\nmachine_id\x18\x01 \x01(\t\x12\x1c\n\x14grace_period_seconds\x18\x02 \x01(\x03\x12\x10\n\x08shard_id\x18\x03 \x01(\t\x12\x13\n\x0bshard_epoch\x18\x04 \x01(\x03\x12\x17\n\x0fsequence_number\x18\x05 \x01(\x03\"c\n\rDeleteRequest\x12\x12\n\nmachine_id\x18\x01 \x01(\t\x12\x10\n\x08shard_id\x18\x02 \x01(\t\x12\x13\n\x0bshard_epoch\x18\x03 \x01(\x03\x12\x17\n\x0fsequence_number\x18\x04 \x01(\x03\"R\n\rTransitionAck\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12+\n\x07machine\x18\x02 \x01(\x0b\x32\x1a.bigfleet.v1alpha1.Machine*\x8f\x02\n\x0cMachineState\x12\x1d\n\x19MACHINE_STATE_UNSPECIFIED\x10\x00\x12\x1d\n\x19MACHINE_STATE_SPECULATIVE\x10\x01\x12\x1a\n\x16MACHINE_STATE_CREATING\x10\x02\x12\x16\n\x12MACHINE_STATE_IDLE\x10\x03\x12\x1d\n\x19MACHINE_STATE_CONFIGURING\x10\x04\x12\x1c\n\x18MACHINE_STATE_CONFIGURED\x10\x05\x12\x1a\n\x16MACHINE_STATE_DRAINING\x10\x06\x12\x1a\n\x16MACHINE_STATE_DELETING\x10\x07\x12\x18\n\x14MACHINE_STATE_FAILED\x10\x08*\x9c\x01\n\x0c\x43\x61pacityType\x12\x1d\n\x19\x43\x41PACITY_TYPE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x43\x41PACITY_TYPE_BARE_METAL\x10\x01\x12\x1a\n\x16\x43\x41PACITY_TYPE_RESERVED\x10\x02\x12\x1b\n\x17\x43\x41PACITY_TYPE_ON_DEMAND\x10\x03\x12\x16\n\x12\x43\x41PACITY_TYPE_SPOT\x10\x04\x32\xd7\x03\n\x10\x43\x61pacityProvider\x12L\n\x06\x43reate\x12 .bigfleet.v1alpha1.CreateRequest\x1a .bigfleet.v1alpha1.TransitionAck\x12R\n\tConfigure\x12#.bigfleet.v1alpha1.ConfigureRequest\x1a .bigfleet.v1alpha1.TransitionAck\x12J\n\x05\x44rain\x12\x1f.bigfleet.v1alpha1.DrainRequest\x1a .bigfleet.v1alpha1.TransitionAck\x12L\n\x06\x44\x65lete\x12 .bigfleet.v1alpha1.DeleteRequest\x1a .bigfleet.v1alpha1.TransitionAck\x12@\n\x03Get\x12\x1d.bigfleet.v1alpha1.MachineRef\x1a\x1a.bigfleet.v1alpha1.Machine\x12\x45\n\x04List\x12\x1d.bigfleet.v1alpha1.ListFilter\x1a\x1e.bigfleet.v1alpha1.MachineListb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,10 +39,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MACHINE_SHARDMETADATAENTRY']._serialized_options = b'8\001'
   _globals['_CONFIGUREREQUEST_SHARDMETADATAENTRY']._loaded_options = None
   _globals['_CONFIGUREREQUEST_SHARDMETADATAENTRY']._serialized_options = b'8\001'
-  _globals['_MACHINESTATE']._serialized_start=1895
-  _globals['_MACHINESTATE']._serialized_end=2166
-  _globals['_CAPACITYTYPE']._serialized_start=2169
-  _globals['_CAPACITYTYPE']._serialized_end=2325
+  _globals['_MACHINESTATE']._serialized_start=1896
+  _globals['_MACHINESTATE']._serialized_end=2167
+  _globals['_CAPACITYTYPE']._serialized_start=2170
+  _globals['_CAPACITYTYPE']._serialized_end=2326
   _globals['_HOSTREF']._serialized_start=55
   _globals['_HOSTREF']._serialized_end=95
   _globals['_RESOURCES']._serialized_start=97
@@ -50,31 +50,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESOURCES_RESOURCESENTRY']._serialized_start=174
   _globals['_RESOURCES_RESOURCESENTRY']._serialized_end=222
   _globals['_MACHINE']._serialized_start=225
-  _globals['_MACHINE']._serialized_end=904
-  _globals['_MACHINE_LABELSENTRY']._serialized_start=799
-  _globals['_MACHINE_LABELSENTRY']._serialized_end=844
-  _globals['_MACHINE_SHARDMETADATAENTRY']._serialized_start=846
-  _globals['_MACHINE_SHARDMETADATAENTRY']._serialized_end=898
-  _globals['_NODETAINT']._serialized_start=906
-  _globals['_NODETAINT']._serialized_end=961
-  _globals['_MACHINEREF']._serialized_start=963
-  _globals['_MACHINEREF']._serialized_end=987
-  _globals['_MACHINELIST']._serialized_start=989
-  _globals['_MACHINELIST']._serialized_end=1066
-  _globals['_LISTFILTER']._serialized_start=1068
-  _globals['_LISTFILTER']._serialized_end=1186
-  _globals['_CREATEREQUEST']._serialized_start=1188
-  _globals['_CREATEREQUEST']._serialized_end=1293
-  _globals['_CONFIGUREREQUEST']._serialized_start=1296
-  _globals['_CONFIGUREREQUEST']._serialized_end=1576
-  _globals['_CONFIGUREREQUEST_SHARDMETADATAENTRY']._serialized_start=846
-  _globals['_CONFIGUREREQUEST_SHARDMETADATAENTRY']._serialized_end=898
-  _globals['_DRAINREQUEST']._serialized_start=1579
-  _globals['_DRAINREQUEST']._serialized_end=1707
-  _globals['_DELETEREQUEST']._serialized_start=1709
-  _globals['_DELETEREQUEST']._serialized_end=1808
-  _globals['_TRANSITIONACK']._serialized_start=1810
-  _globals['_TRANSITIONACK']._serialized_end=1892
-  _globals['_CAPACITYPROVIDER']._serialized_start=2328
-  _globals['_CAPACITYPROVIDER']._serialized_end=2799
+  _globals['_MACHINE']._serialized_end=905
+  _globals['_MACHINE_LABELSENTRY']._serialized_start=800
+  _globals['_MACHINE_LABELSENTRY']._serialized_end=845
+  _globals['_MACHINE_SHARDMETADATAENTRY']._serialized_start=847
+  _globals['_MACHINE_SHARDMETADATAENTRY']._serialized_end=899
+  _globals['_NODETAINT']._serialized_start=907
+  _globals['_NODETAINT']._serialized_end=962
+  _globals['_MACHINEREF']._serialized_start=964
+  _globals['_MACHINEREF']._serialized_end=988
+  _globals['_MACHINELIST']._serialized_start=990
+  _globals['_MACHINELIST']._serialized_end=1067
+  _globals['_LISTFILTER']._serialized_start=1069
+  _globals['_LISTFILTER']._serialized_end=1187
+  _globals['_CREATEREQUEST']._serialized_start=1189
+  _globals['_CREATEREQUEST']._serialized_end=1294
+  _globals['_CONFIGUREREQUEST']._serialized_start=1297
+  _globals['_CONFIGUREREQUEST']._serialized_end=1577
+  _globals['_CONFIGUREREQUEST_SHARDMETADATAENTRY']._serialized_start=847
+  _globals['_CONFIGUREREQUEST_SHARDMETADATAENTRY']._serialized_end=899
+  _globals['_DRAINREQUEST']._serialized_start=1580
+  _globals['_DRAINREQUEST']._serialized_end=1708
+  _globals['_DELETEREQUEST']._serialized_start=1710
+  _globals['_DELETEREQUEST']._serialized_end=1809
+  _globals['_TRANSITIONACK']._serialized_start=1811
+  _globals['_TRANSITIONACK']._serialized_end=1893
+  _globals['_CAPACITYPROVIDER']._serialized_start=2329
+  _globals['_CAPACITYPROVIDER']._serialized_end=2800
 # @@protoc_insertion_point(module_scope)

@@ -249,6 +249,8 @@ class Machine(_message.Message):
         --register-with-taints). Python addition; the shard forwards them in
         NodeStateUpdate.taints so the UpcomingNode carries them before the Node
         exists. Empty when the provider does not know or declare any.
+        Numbered far above upstream's range so a future upstream field can never
+        collide with this extension; Go shards skip it as an unknown field.
         """
 
     def __init__(
