@@ -8,9 +8,9 @@ provider error): a machine is never silently forgotten, and never handed out
 twice.
 
 Throughput (the reprovisioning regime hands out thousands of machines at
-once): ``concurrency`` bounds *steps* that hold a resource (a provider
-mutation, a bootstrap pull), not whole flows, so a flow waiting for the
-provider to finish a transition costs nothing; steps of flows already under
+once): ``concurrency`` bounds provider mutations in flight and
+``bootstrap_concurrency`` bootstrap pulls, not whole flows, so a flow waiting
+for the provider to finish a transition costs nothing; steps of flows already under
 way go before new flows, so machines finish instead of piling up half done.
 Lifecycle calls are asynchronous (the ack is usually still transitional), and
 completions are observed through one shared incremental List
@@ -67,9 +67,11 @@ class Binding:
 
 @dataclass(frozen=True)
 class ExecutorConfig:
-    # Provider mutations and bootstrap pulls in flight at once (a flow waiting for a transition
-    # to finish holds none).
+    # Provider mutations in flight at once (a flow waiting for a transition to finish holds none).
     concurrency: int = 256
+    # Bootstrap pulls outstanding at once, a separate bound: a slow operator round trip must not
+    # starve provider calls of slots.
+    bootstrap_concurrency: int = 1024
     execute_timeout: float = 30.0  # how long a transition may take before the machine is FAILED
     bootstrap_timeout: float = 30.0
     reclaim_ack_timeout: float = 10.0
@@ -153,6 +155,7 @@ class Executor:
         self.metrics = metrics
         self.on_settled = on_settled
         self._slots = Slots(config.concurrency)
+        self._bootstrap_slots = Slots(config.bootstrap_concurrency)
         self._outcome_children: dict[tuple[str, str], Any] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.bootstrap_failures: dict[tuple[str, str], str] = {}
@@ -241,15 +244,16 @@ class Executor:
         return pb
 
     @asynccontextmanager
-    async def _step(self, urgent: bool) -> AsyncIterator[None]:
-        """Hold one of ``concurrency`` slots for a provider mutation or a bootstrap pull."""
-        await self._slots.acquire(urgent)
+    async def _step(self, urgent: bool, slots: Slots | None = None) -> AsyncIterator[None]:
+        """Hold one slot (of ``concurrency`` for a provider mutation by default) for one step."""
+        slots = slots or self._slots
+        await slots.acquire(urgent)
         if self.metrics:
             self.metrics.execute_inflight.inc()
         try:
             yield
         finally:
-            self._slots.release()
+            slots.release()
             if self.metrics:
                 self.metrics.execute_inflight.dec()
 
@@ -472,7 +476,7 @@ class Executor:
             return
         started = time.perf_counter()
         try:
-            async with self._step(urgent=kind != "Bootstrap"):
+            async with self._step(urgent=kind != "Bootstrap", slots=self._bootstrap_slots):
                 blob = await session.request_bootstrap(list(binding.requirements), self.config.bootstrap_timeout)
         except BootstrapUnavailable as exc:
             # The provider was not touched: the machine goes back to Idle for a later retry.
