@@ -10,6 +10,7 @@ import os
 import pickle
 import random
 import signal
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -171,6 +172,15 @@ def assert_same(got: Decision, rows: dict[Any, Any], hints: dict[Any, Any], worl
     return want
 
 
+def assert_view_counters(view: MachineView) -> None:
+    """The counts the view keeps on write equal a walk over its records."""
+    pbs = list(view.all())
+    assert view.counts() == +Counter(int(pb.state) for pb in pbs)
+    assert +view.type_counts == +Counter(pb.instance_type for pb in pbs if pb.instance_type)
+    assert +view.zone_counts == +Counter(pb.zone for pb in pbs if pb.zone)
+    assert set(view.creating) == {pb.id for pb in pbs if pb.state == S.MACHINE_STATE_CREATING}
+
+
 def roundtrip(core: WorkerCore, req: Any) -> Any:
     """Through pickle both ways, as over the pipe."""
     return pickle.loads(pickle.dumps(core.handle(pickle.loads(pickle.dumps(req, 5))), 5))
@@ -194,6 +204,7 @@ def test_delta_fed_worker_decides_like_decide_on_full_inputs(seed: int) -> None:
         actions += len(got.actions) + len(got.suppressed)
         world.store.save_engine_state(got.state)
         world.step()
+        assert_view_counters(world.view)
     assert full == 1 and delta == 39
     assert actions > 0  # the sequence exercised the engine, not only empty cycles
 
@@ -273,6 +284,13 @@ async def test_worker_process_killed_or_stuck_is_replaced_and_decisions_stay_equ
             assert_same(decision, rows, hints, world, counts)
             world.store.save_engine_state(decision.state)
             world.step()
+            summary = d.build_report().summary
+            pbs = list(world.view.all())
+            assert summary.total_machines == len(pbs)
+            assert summary.free_machines == sum(
+                1 for pb in pbs if pb.state in (S.MACHINE_STATE_IDLE, S.MACHINE_STATE_SPECULATIVE)
+                and pb.id not in world.view.inflight)
+            assert dict(summary.per_zone_counts) == dict(Counter(pb.zone for pb in pbs))
         assert len(set(pids)) == 3, pids  # the first worker, then one per failure
         assert counter(d, "engine_worker_restarts") == 2
         assert counter(d, "engine_worker_resyncs") == 3  # the first cycle and one per new worker

@@ -97,6 +97,8 @@ class MachineView:
         # Kept up to date on every write so per-cycle gauges and the orphan-Create check cost
         # O(1) / O(creating) instead of a walk over the whole fleet.
         self._state_counts: Counter[int] = Counter()
+        self.type_counts: Counter[str] = Counter()
+        self.zone_counts: Counter[str] = Counter()
         self.creating: dict[str, None] = {}
 
     def __len__(self) -> int:
@@ -194,10 +196,18 @@ class MachineView:
             self._state_counts[int(old.state)] -= 1
             if old.state == S.MACHINE_STATE_CREATING:
                 self.creating.pop(old.id, None)
+            if old.instance_type:
+                self.type_counts[old.instance_type] -= 1
+            if old.zone:
+                self.zone_counts[old.zone] -= 1
         if new is not None:
             self._state_counts[int(new.state)] += 1
             if new.state == S.MACHINE_STATE_CREATING:
                 self.creating[new.id] = None
+            if new.instance_type:
+                self.type_counts[new.instance_type] += 1
+            if new.zone:
+                self.zone_counts[new.zone] += 1
 
     def take_dirty(self) -> builtins.set[str]:
         """The ids changed since the last call (and start a new set)."""
