@@ -244,6 +244,35 @@ def test_sequence_gap_or_lost_state_forces_a_full_resync() -> None:
     assert_same(feed.accept(req, reply), feed.rows, reply.hints, world)
 
 
+def test_an_engine_failure_keeps_the_mirror_in_step() -> None:
+    world = World(5)
+    feed, core = MirrorFeed(), WorkerCore()
+    req = world.request(feed)
+    world.store.save_engine_state(feed.accept(req, roundtrip(core, req)).state)
+    world.step()
+    real = core.engine
+
+    class Boom:
+        def decide(self, *a: Any, **kw: Any) -> Any:
+            raise ValueError("engine bug")
+
+    core.engine = Boom()  # type: ignore[assignment]
+    req = world.request(feed)
+    reply = roundtrip(core, req)
+    assert reply.status == "failed" and "engine bug" in reply.error
+    feed.failed(req)
+    assert core.engine is not real  # (a fresh one)
+    for _ in range(3):  # later cycles are deltas again, and right
+        world.step()
+        req = world.request(feed)
+        assert req.base != RESYNC
+        reply = roundtrip(core, req)
+        assert reply.status == "ok", reply.error
+        got = feed.accept(req, reply)
+        assert_same(got, feed.rows, reply.hints, world)
+        world.store.save_engine_state(got.state)
+
+
 # -- the real worker process, driven through the daemon -------------------------------------------
 
 

@@ -418,6 +418,9 @@ class ShardDaemon:
                 decision = feed.accept(req, reply)
                 self.metrics.phase_duration.labels("engine_worker").observe(reply.compute_seconds)
                 return decision, reply.hints, feed.rows, reply.suppressed_counts
+            if reply.status == "failed":  # an engine bug, not a transport problem: no resync, no retry
+                feed.failed(req)
+                raise RuntimeError(f"engine failed in the worker: {reply.error}")
             feed.reset()
             last_error = reply.error
             if reply.status == "resync":

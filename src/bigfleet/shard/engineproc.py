@@ -70,7 +70,9 @@ class CycleRequest:
 @dataclass
 class CycleReply:
     seq: int
-    status: str  # "ok" | "resync" | "error"
+    #: "ok"; "failed" (the engine raised; the mirror is in step); "resync" (the mirror is not);
+    #: "error" (the request could not be applied; the mirror is no longer trusted)
+    status: str
     decision: Decision | None = None  # verdicts stripped: see rows
     hints: Hints = field(default_factory=dict)
     rows: dict[RowKey, tuple[Any, ...]] = field(default_factory=dict)
@@ -175,7 +177,14 @@ class WorkerCore:
                 f"mirror out of step: {len(inv)} machines / {len(self.needs.clusters())} clusters, "
                 f"shard has {req.expect_machines} / {req.expect_clusters}"))
         t0 = time.perf_counter()
-        decision, hints = self.compute(req)
+        try:
+            decision, hints = self.compute(req)
+        except Exception as exc:
+            # Every delta is applied, so the mirror is in step; only this decision failed. A fresh
+            # engine drops whatever it had half updated, and the next cycle needs no resync.
+            self.engine = Engine()
+            self.seq = req.seq
+            return CycleReply(req.seq, "failed", error=f"{type(exc).__name__}: {exc}")
         elapsed = time.perf_counter() - t0
         self.state = decision.state
         rows, removed = self._row_diff(decision)
@@ -288,6 +297,13 @@ class MirrorFeed:
             config=config, frozen_clusters=frozenset(frozen_clusters), frozen_machines=frozenset(frozen_machines),
             expect_machines=len(view), expect_clusters=len(table.clusters()),
         )
+
+    def failed(self, req: CycleRequest) -> None:
+        """The worker applied ``req`` but its engine raised: the mirror is in step, no decision."""
+        if req.base == RESYNC:
+            self.rows = {}  # the worker starts its row diff from nothing again
+        self._acked = req.seq
+        self.synced = True
 
     def accept(self, req: CycleRequest, reply: CycleReply) -> Decision:
         """Apply an ``ok`` reply; returns its decision (verdicts are in `rows`)."""
