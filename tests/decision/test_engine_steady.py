@@ -13,6 +13,7 @@ from bigfleet.decision import Configure, Create, Delete, Drain, Engine, EngineCo
 from bigfleet.decision.index import IDLE
 from bigfleet.machine import CapacityType, Inventory, Machine
 from bigfleet.needs import Need, NeedsTable, Operator, PenaltyBucket, Profile, Requirement, Resources
+from bigfleet.shard.availability import supply_by_shape
 
 from .fx import NOW, TYPE_KEY, ZONE_KEY, S, machine
 
@@ -121,6 +122,10 @@ def test_reused_engine_equals_fresh_decide_over_small_changes(seed: int) -> None
         want = decide(table, Inventory(list(inv)), now, state, cfg)
         _same(got, want)
         reused += got.stats.clusters_reused
+        # the index-derived free supply equals the shard's walk over the fleet
+        busy = frozenset(rnd.sample([m.id for m in inv], min(3, len(inv))))
+        walk = {shape: (s.idle, s.spec) for shape, s in supply_by_shape(list(inv), busy).items()}
+        assert eng.free_supply(busy) == walk
         state = got.state
         _apply_some(rnd, inv, got.actions, now)
         for _ in range(rnd.randint(1, 2)):
@@ -233,3 +238,19 @@ def test_fast_built_actions_equal_constructed_ones() -> None:
     assert [hash(a) for a in out] == [hash(a) for a in want]
     assert [repr(a) for a in out] == [repr(a) for a in want]
     assert pickle.loads(pickle.dumps(out)) == want
+
+
+def test_free_supply_skips_busy_and_cluster_stamped_pool_machines() -> None:
+    """The shard's worker mirror may hold a pooled machine that still names a cluster (its view
+    of an in-flight bind): neither that nor a busy machine is free supply."""
+    ms = [machine(f"i{i}", S.IDLE) for i in range(4)] + [machine(f"s{i}", S.SPECULATIVE) for i in range(3)]
+    ms.append(machine("i9", S.IDLE).replace(cluster="c0"))
+    ms.append(machine("big", S.SPECULATIVE, itype="other", res=_res(9)))
+    eng = Engine()
+    for fleet in (ms, ms[:-1], ms):  # a plain list: the engine diffs it (no invariant check)
+        eng.decide([], fleet, NOW, EngineState(), EngineConfig())
+        busy = frozenset({"i0", "s2", "nope"})
+        walk = {shape: (s.idle, s.spec) for shape, s in supply_by_shape(fleet, busy).items()}
+        assert eng.free_supply(busy) == walk
+    assert sorted(eng.free_supply().values()) == [(0, 1), (4, 3)]
+    assert Engine().free_supply() == {}

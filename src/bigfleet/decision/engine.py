@@ -16,7 +16,7 @@ from operator import attrgetter
 from typing import Any, TypeVar
 
 from bigfleet.machine.inventory import Inventory
-from bigfleet.machine.record import Machine
+from bigfleet.machine.record import Machine, MachineShape
 from bigfleet.machine.state import CapacityType, MachineState
 from bigfleet.needs import EMPTY, Need, NeedsTable, Operator, Profile, Requirement, Resources, TopologySpread
 from bigfleet.needs.penalty import bucket_dollars
@@ -30,6 +30,7 @@ from .index import (
     MClass,
     add_machine,
     build_index,
+    free_supply,
     m_interruption,
     m_reclamation,
     remove_machine,
@@ -1125,6 +1126,13 @@ class Engine:
         self._cache.clear()
         self.last_index_changes = len(self._by_mid)
         return ix
+
+    def free_supply(self, busy: Iterable[str] = ()) -> dict[MachineShape, tuple[int, int]]:
+        """(idle, speculative) free machines per shape as of the last `decide` (cluster-less, not in
+        `busy`): O(classes + busy), for availability hints without a walk over the fleet."""
+        if self._ix is None:
+            return {}
+        return free_supply(self._ix, busy, self._by_mid)
 
     # --- the cycle -------------------------------------------------------------------------------
 

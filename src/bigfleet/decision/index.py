@@ -101,6 +101,8 @@ class Index:
     #: capacity type → IDLE machines (release candidates)
     idle_by_type: dict[int, list[Machine]] = field(default_factory=dict)
     class_of_shape: dict[MachineShape, int] = field(default_factory=dict)
+    #: (state, class idx) → how many of its pool machines carry a cluster (not free supply for hints)
+    pool_clustered: dict[tuple[int, int], int] = field(default_factory=dict)
     total: int = 0
     _matched: dict[tuple[Requirement, ...], list[MClass]] = field(default_factory=dict)
 
@@ -149,6 +151,10 @@ def build_index(machines: Iterable[Machine]) -> Index:
                 lst.append(m)
         free = 0
         for st, group in by_state.items():
+            if st is idle_s or st is spec_s:
+                n_cl = sum(1 for m in group if m.cluster)
+                if n_cl:
+                    ix.pool_clustered[(int(st), ci)] = n_cl
             if st is idle_s:
                 pool[(IDLE, ci)] = group
                 ix.idle_by_type.setdefault(int(c.capacity_type), []).extend(group)
@@ -273,6 +279,12 @@ def _apply(ix: Index, m: Machine, ci: int, add: bool) -> None:
         op(lst, m, pool_key)
         if not lst:
             del ix.pool[k]
+        if m.cluster:
+            left = ix.pool_clustered.get(k, 0) + d
+            if left:
+                ix.pool_clustered[k] = left
+            else:
+                ix.pool_clustered.pop(k, None)
         _free(ix, ci, d)
         if st is S.IDLE:
             ctype = int(ix.classes[ci].capacity_type)
@@ -301,6 +313,33 @@ def _apply(ix: Index, m: Machine, ci: int, add: bool) -> None:
         fp = m.assignment.need_fingerprint
         if fp:
             op(ix.creating.setdefault(fp, []), m, id_key)
+
+
+def free_supply(ix: Index, busy: Iterable[str], by_id: Mapping[str, Machine]
+                ) -> dict[MachineShape, tuple[int, int]]:
+    """(idle, speculative) machines per shape that are free supply: pooled, cluster-less, not busy.
+
+    O(classes + busy) from the maintained pool lists, instead of a walk over the fleet (what the
+    shard's availability hints need every cycle). `by_id` resolves busy ids to the records indexed.
+    """
+    counts: dict[tuple[int, int], int] = {}
+    clustered = ix.pool_clustered
+    for k, lst in ix.pool.items():
+        counts[k] = len(lst) - clustered.get(k, 0)
+    for mid in busy:
+        m = by_id.get(mid)
+        if m is None or m.cluster or not (m.state is S.IDLE or m.state is S.SPECULATIVE):
+            continue
+        k = (int(m.state), ix.class_of_shape[m.shape])
+        counts[k] -= 1
+    out: dict[MachineShape, tuple[int, int]] = {}
+    for (st, ci), n in counts.items():
+        if n <= 0:
+            continue
+        shape = ix.classes[ci].shape
+        idle, spec = out.get(shape, (0, 0))
+        out[shape] = (idle + n, spec) if st == IDLE else (idle, spec + n)
+    return out
 
 
 def victim_order(ix: Index, ci: int, key: Callable[[Machine], Any]) -> tuple[list[Machine], int]:
