@@ -365,13 +365,14 @@ class ShardDaemon:
 
         The shard holds ~10^6 long-lived objects (records, protos, needs); a full collection walks
         them all, ~0.1 s per 100 000 machines, on whichever thread triggers it -- usually the
-        session loop. Frozen objects are still freed by reference counting; only reference cycles
-        among them wait for the periodic unfreeze."""
+        session loop. Frozen objects are still freed by reference counting; reference cycles among
+        them (a closed session's tasks, say) wait for the periodic unfreeze and full collection:
+        one such pause every ``UNFREEZE_EVERY`` seconds instead of one every few cycles."""
         now = self.config.clock()
         if now - self._last_unfreeze >= self.UNFREEZE_EVERY:
             self._last_unfreeze = now
             gc.unfreeze()
-            return
+            gc.collect()
         gc.freeze()
 
     def _gc_watch(self, phase: str, info: dict[str, Any]) -> None:
@@ -577,6 +578,8 @@ class ShardDaemon:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._gc_watch in gc.callbacks:
             gc.callbacks.remove(self._gc_watch)
+        if self._worker is not None:
+            gc.unfreeze()  # what this daemon froze is collectable again (HA: a later term starts afresh)
         if self._worker is not None:
             await self._worker.stop()
         await self.executor.drain_all(drain_timeout)
