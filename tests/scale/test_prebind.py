@@ -113,3 +113,13 @@ def test_prebind_real_run_starts_in_steady_state(tmp_path: Path) -> None:
     assert sh["binds_issued"] == 0 and sh["drains_issued"] == 0
     assert sh["inventory"]["configured"] == bound
     assert res["bootstraps_answered"] == 0
+
+
+def test_catalog_machines_equal_the_shards_wire_conversion() -> None:
+    from bigfleet.provider.kit.model import record_from_instance, validate_instance
+
+    cat = build_catalog(300, 20, "fake")
+    want = [machine_from_proto(record_from_instance(i, validate_instance(i)).to_proto()) for i in cat]
+    got = prebind.catalog_machines(cat)
+    assert got == want
+    assert [m.id for m in got] == [i.id for i in cat] and len({m.id for m in got}) == len(cat)
