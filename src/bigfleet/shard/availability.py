@@ -90,6 +90,19 @@ def compute(needs: Sequence[Need], machines: Iterable[Machine], busy: frozenset[
     return out
 
 
+def compute_from_supply(needs: Iterable[Need], supply: Mapping[MachineShape, tuple[int, int]]
+                        ) -> dict[tuple[Requirement, ...], Availability]:
+    """`compute` from (idle, speculative) free counts per shape that someone already keeps (the
+    engine's index: `Engine.free_supply`), so no walk over the fleet."""
+    by_shape = {shape: _ShapeSupply(i, sp) for shape, (i, sp) in supply.items() if i > 0 or sp > 0}
+    out: dict[tuple[Requirement, ...], Availability] = {}
+    for n in needs:
+        key = n.requirements
+        if key not in out:
+            out[key] = availability_for(key, by_shape)
+    return out
+
+
 def update_message(need: Need, a: Availability) -> shard_pb2.ShardMessage:
     return shard_pb2.ShardMessage(
         available_capacity=shard_pb2.AvailableCapacityUpdate(

@@ -207,11 +207,11 @@ class WorkerCore:
             needs = [n for c in self.needs.clusters() if c not in fc for n in self.needs.cluster(c)]
             machines = [m for m in self.inventory.machines() if m.id not in fm and m.cluster not in fc]
         decision = self.engine.decide(needs, machines, req.now, self.state, req.config)
-        # Hints for every requirement set in demand; the shard sends those of connected clusters.
+        # Hints for every requirement set in demand (the shard sends those of connected clusters),
+        # from the free counts the engine's index keeps: O(machine classes), not a fleet walk.
         all_needs: Iterable[Need] = needs if isinstance(needs, list) else \
             (n for c in self.needs.clusters() for n in self.needs.cluster(c))
-        hints = availability.compute(list(all_needs), machines.machines() if machines is self.inventory else machines,
-                                     frozenset(self.busy))
+        hints = availability.compute_from_supply(all_needs, self.engine.free_supply(self.busy))
         return decision, hints
 
     def _row_diff(self, decision: Decision) -> tuple[dict[RowKey, tuple[Any, ...]], list[RowKey]]:
