@@ -327,3 +327,27 @@ async def test_time_spent_queueing_for_a_slot_does_not_count_against_the_transit
         r.executor._slots.release()
         await until(lambda: settled(r), 30, "the queued flows")
         assert r.states() == {"MACHINE_STATE_CONFIGURED": 6}
+
+
+async def test_a_list_that_was_in_flight_when_a_flow_ended_is_not_applied_over_it() -> None:
+    async with rig(3) as r:
+        mid, other = r.ids[0], r.ids[1]
+        cursor = (await r.client.list()).revision
+        mark = r.executor.end_mark()  # what the daemon's reconcile takes before its List call
+        r.executor.submit_create(mid, binding("c1"))
+        await until(lambda: settled(r), 30, "the flow")
+        assert r.executor.ended_after(mid, mark) and not r.executor.ended_after(other, mark)
+        assert not r.executor.ended_after(mid, r.executor.end_mark())
+        # A List served mid-flow shows the machine CREATING; applied now it would regress the view.
+        stale = provider_pb2.Machine()
+        stale.CopyFrom(r.view.get(mid))  # type: ignore[arg-type]
+        stale.state = S.MACHINE_STATE_IDLE
+        stale.cluster = ""
+        stale.shard_metadata.clear()
+        r.view.observe(stale)  # (what the daemon did before: the machine looked Idle again)
+        assert r.view.get(mid).state == S.MACHINE_STATE_IDLE  # type: ignore[union-attr]
+        r.executor.recheck(mid)  # what it does now instead: one fresh read
+        await until(lambda: r.view.get(mid).state == S.MACHINE_STATE_CONFIGURED, 10, "the fresh record")  # type: ignore[union-attr]
+        assert r.view.get(mid).cluster == "c1" and r.executor.rechecks == 1  # type: ignore[union-attr]
+        assert r.rpcs("Get") == 1
+        assert [pb.id for pb in (await r.client.list(cursor)).machines] == [mid]

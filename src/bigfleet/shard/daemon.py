@@ -255,6 +255,7 @@ class ShardDaemon:
         """Merge the provider's records; a full List also forgets machines the provider erased."""
         full = full or not self._cursor or self._reconciles % self.config.full_reconcile_every == 0
         started = time.perf_counter()
+        mark = self.executor.end_mark()
         lst = await self.provider.list(b"" if full else self._cursor)
         seen: set[str] = set()
         owns = self.owns
@@ -264,6 +265,9 @@ class ShardDaemon:
             if owns is not None and not owns(pb):
                 continue  # another shard's machine on a shared provider (a full List forgets it below)
             seen.add(pb.id)
+            if self.executor.ended_after(pb.id, mark):
+                self.executor.recheck(pb.id)  # this record may predate the flow that just ended
+                continue
             self.view.observe(pb)
         if full:
             for i, mid in enumerate(self.view.ids()):

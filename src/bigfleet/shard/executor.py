@@ -170,6 +170,11 @@ class Executor:
         # Counters tests and benchmarks read (the RPCs themselves are in the provider metrics).
         self.watch_lists = 0
         self.confirm_gets = 0
+        self.rechecks = 0
+        # When each machine's last flow ended (a sequence number), so a List that was already in
+        # flight then is not applied over the flow's newer record (see ended_after()).
+        self._end_seq = 0
+        self._ended_at: dict[str, int] = {}
 
     @property
     def inflight(self) -> int:
@@ -273,12 +278,41 @@ class Executor:
                 if w is not None and not w.fut.done():
                     w.fut.cancel()
                 self._ended_during_list.add(machine_id)
+                self._end_seq += 1
+                self._ended_at[machine_id] = self._end_seq
                 self.view.inflight.pop(machine_id, None)
                 self.view.reserved_for.pop(machine_id, None)
                 if self.on_settled:
                     self.on_settled()
 
         task = asyncio.create_task(run(), name=f"{kind}-{machine_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def end_mark(self) -> int:
+        """A marker to take before a List call; see ``ended_after``."""
+        return self._end_seq
+
+    def ended_after(self, machine_id: str, mark: int) -> bool:
+        """True if a flow on ``machine_id`` ended after ``mark`` was taken: a List started before then
+        may hold an older record than the one that flow left in the view (applying it would show,
+        e.g., a just-Configured machine as Idle and have it configured for a second cluster)."""
+        return self._ended_at.get(machine_id, 0) > mark
+
+    def recheck(self, machine_id: str) -> None:
+        """Read one machine fresh (after its List record was set aside by ``ended_after``), so a
+        provider-side change that List carried is not lost until the next full reconcile."""
+        async def one() -> None:
+            self.rechecks += 1
+            mark = self.end_mark()
+            try:
+                pb = await self.provider.get(machine_id, total=5.0)
+            except ProviderError:
+                return  # (NOT_FOUND and the like are the full reconcile's business)
+            if not self.ended_after(machine_id, mark):
+                self.view.observe(pb)  # (a no-op while a new flow owns the machine)
+
+        task = asyncio.create_task(one(), name=f"recheck-{machine_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
