@@ -254,3 +254,25 @@ def test_free_supply_skips_busy_and_cluster_stamped_pool_machines() -> None:
         assert eng.free_supply(busy) == walk
     assert sorted(eng.free_supply().values()) == [(0, 1), (4, 3)]
     assert Engine().free_supply() == {}
+
+
+def test_bulk_acquisition_skips_machines_claimed_by_reservations() -> None:
+    """Idle machines still reserved for another need (claimed in the credit pass) sit inside the
+    pool list a later acquisition sweeps: they are skipped, exactly as one-at-a-time picking does."""
+    from unittest import mock
+
+    from bigfleet.decision import engine as eng_mod
+
+    from .fx import need, profile
+
+    a = need("a", 2)
+    b = need("b", 3, profile(500))
+    fp_a = a.profile.fingerprint()
+    ms = [machine(f"i{i}", S.IDLE, fp=fp_a if i in (1, 2) else "") for i in range(6)]
+    state = EngineState(first_rollup=frozenset({"a", "b"}))
+    fast = decide([a, b], Inventory(ms), NOW, state, EngineConfig())
+    with mock.patch.object(eng_mod, "_bulk_take", _one_at_a_time):
+        slow = decide([a, b], Inventory(ms), NOW, state, EngineConfig())
+    assert fast == slow
+    assert [(x.machine_id, x.cluster_id) for x in fast.actions] == [
+        ("i1", "a"), ("i2", "a"), ("i0", "b"), ("i3", "b"), ("i4", "b")]

@@ -774,16 +774,22 @@ def _bulk_take(cy: _Cycle, n: _N, state: int, c: MClass) -> None:
     claim = cy.claim
     i = cy.cursor.get(key, 0)
     size = len(lst)
-    got: list[Machine] = []
-    while i < size and len(got) < k:
-        m = lst[i]
-        if m.id not in claim:
-            got.append(m)
-        i += 1
+    got = lst[i:i + k]
+    ids = list(map(_ID, got))
+    if any(map(claim.__contains__, ids)):  # some already claimed (reservations): walk and skip them
+        got = []
+        while i < size and len(got) < k:
+            m = lst[i]
+            if m.id not in claim:
+                got.append(m)
+            i += 1
+        ids = list(map(_ID, got))
+    else:
+        i += len(got)
     cy.cursor[key] = i
     if not got:
         return
-    claim.update(zip(map(_ID, got), repeat(n)))
+    claim.update(zip(ids, repeat(n)))
     n.claimed.extend(got)
     cy.taken[key] = cy.taken.get(key, 0) + len(got)
     (n.acquired_idle if state == IDLE else n.acquired_spec).extend(got)
