@@ -389,6 +389,9 @@ class EngineWorker:
         self.argv = argv or [sys.executable, "-m", "bigfleet.shard.engineproc", str(nice)]
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
+        #: extra time for a new process's first answer (interpreter start, imports, full resync)
+        self.startup_grace = 30.0
+        self._answered = False
 
     @property
     def pid(self) -> int | None:
@@ -397,6 +400,7 @@ class EngineWorker:
     def start(self) -> None:
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
         self.starts += 1
+        self._answered = False
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -429,8 +433,9 @@ class EngineWorker:
         if proc is None or proc.poll() is not None:
             raise WorkerGone("engine worker not running")
         fut = asyncio.ensure_future(asyncio.to_thread(_roundtrip, proc, req))
+        timeout = self.timeout if self._answered else self.timeout + self.startup_grace
         try:
-            done, _ = await asyncio.wait({fut}, timeout=self.timeout)
+            done, _ = await asyncio.wait({fut}, timeout=timeout)
         except asyncio.CancelledError:
             self.kill()
             with contextlib.suppress(BaseException):
@@ -440,8 +445,10 @@ class EngineWorker:
             self.kill()
             with contextlib.suppress(BaseException):
                 await fut
-            raise WorkerGone(f"engine worker did not answer within {self.timeout:g}s; killed")
-        return fut.result()
+            raise WorkerGone(f"engine worker did not answer within {timeout:g}s; killed")
+        reply = fut.result()
+        self._answered = True
+        return reply
 
     async def stop(self, grace: float = 3.0) -> None:
         proc, self.proc = self.proc, None
