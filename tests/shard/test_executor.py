@@ -338,16 +338,19 @@ async def test_a_list_that_was_in_flight_when_a_flow_ended_is_not_applied_over_i
         await until(lambda: settled(r), 30, "the flow")
         assert r.executor.ended_after(mid, mark) and not r.executor.ended_after(other, mark)
         assert not r.executor.ended_after(mid, r.executor.end_mark())
-        # A List served mid-flow shows the machine CREATING; applied now it would regress the view.
+        # A List served mid-flow shows the machine still Idle; applied now it would regress the view
+        # (and the engine would configure the machine a second time). The daemon sets it aside
+        # and asks for a recheck instead, which reads the machine fresh.
         stale = provider_pb2.Machine()
         stale.CopyFrom(r.view.get(mid))  # type: ignore[arg-type]
         stale.state = S.MACHINE_STATE_IDLE
         stale.cluster = ""
         stale.shard_metadata.clear()
-        r.view.observe(stale)  # (what the daemon did before: the machine looked Idle again)
-        assert r.view.get(mid).state == S.MACHINE_STATE_IDLE  # type: ignore[union-attr]
-        r.executor.recheck(mid)  # what it does now instead: one fresh read
-        await until(lambda: r.view.get(mid).state == S.MACHINE_STATE_CONFIGURED, 10, "the fresh record")  # type: ignore[union-attr]
-        assert r.view.get(mid).cluster == "c1" and r.executor.rechecks == 1  # type: ignore[union-attr]
+        r.executor.recheck(r.view.get(mid))  # type: ignore[arg-type]  # same as the view: nothing to do
+        assert r.executor.rechecks == 0
+        r.executor.recheck(stale)
+        await until(lambda: r.executor.rechecks == 1 and not r.executor._tasks, 10, "the recheck")
+        assert r.view.get(mid).state == S.MACHINE_STATE_CONFIGURED  # type: ignore[union-attr]
+        assert r.view.get(mid).cluster == "c1"  # type: ignore[union-attr]
         assert r.rpcs("Get") == 1
         assert [pb.id for pb in (await r.client.list(cursor)).machines] == [mid]

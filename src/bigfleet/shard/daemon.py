@@ -266,7 +266,7 @@ class ShardDaemon:
                 continue  # another shard's machine on a shared provider (a full List forgets it below)
             seen.add(pb.id)
             if self.executor.ended_after(pb.id, mark):
-                self.executor.recheck(pb.id)  # this record may predate the flow that just ended
+                self.executor.recheck(pb)  # this record may predate the flow that just ended
                 continue
             self.view.observe(pb)
         if full:

@@ -299,9 +299,13 @@ class Executor:
         e.g., a just-Configured machine as Idle and have it configured for a second cluster)."""
         return self._ended_at.get(machine_id, 0) > mark
 
-    def recheck(self, machine_id: str) -> None:
-        """Read one machine fresh (after its List record was set aside by ``ended_after``), so a
-        provider-side change that List carried is not lost until the next full reconcile."""
+    def recheck(self, listed: provider_pb2.Machine) -> None:
+        """A List record set aside by ``ended_after``: if it differs from the view, read the machine
+        fresh, so a provider-side change that List carried is not lost until the next full reconcile."""
+        machine_id = listed.id
+        if self.view.get(machine_id) == listed or machine_id in self.view.inflight:
+            return  # nothing new in it (or a new flow owns the machine and will observe it)
+
         async def one() -> None:
             self.rechecks += 1
             mark = self.end_mark()
