@@ -361,17 +361,21 @@ class Executor:
     async def _wait_state(self, machine_id: str, targets: set[int], deadline: float) -> provider_pb2.Machine:
         """The machine's record once it reaches one of ``targets`` (or FAILED); TimeoutError at ``deadline``."""
         if not self.config.watch:
-            return await self._poll_state(machine_id, targets, self._deadline())
+            return await self._poll_state(machine_id, targets, deadline)
         want = frozenset(targets)
-        fut: asyncio.Future[provider_pb2.Machine] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[provider_pb2.Machine] = loop.create_future()
         self._waiters[machine_id] = _Waiter(fut, want, self._watch_gen, self.clock())
         if self._watch_task is None or self._watch_task.done():
             self._watch_task = asyncio.create_task(self._watch(), name="executor-watch")
+        # A timer on the future itself (not wait_for: no extra task or future per waiting flow).
+        timer = loop.call_later(max(0.0, deadline - self.clock()), _expire, fut)
         try:
-            pb = await asyncio.wait_for(fut, max(0.0, deadline - self.clock()))
+            pb: provider_pb2.Machine | None = await fut
         except TimeoutError:
             pb = None
         finally:
+            timer.cancel()
             w = self._waiters.get(machine_id)
             if w is not None and w.fut is fut:
                 del self._waiters[machine_id]
@@ -608,6 +612,11 @@ class Executor:
             return
         self._fail(machine_id, f"{exc.rpc}: {exc.code.name}: {exc.details}")
         self._outcome(kind, outcome)
+
+
+def _expire(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())
 
 
 def _copy(pb: provider_pb2.Machine) -> provider_pb2.Machine:
