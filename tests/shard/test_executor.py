@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from bigfleet.observability import new_registry
@@ -354,3 +355,14 @@ async def test_a_list_that_was_in_flight_when_a_flow_ended_is_not_applied_over_i
         assert r.view.get(mid).cluster == "c1"  # type: ignore[union-attr]
         assert r.rpcs("Get") == 1
         assert [pb.id for pb in (await r.client.list(cursor)).machines] == [mid]
+
+
+@pytest.mark.parametrize("watch", [True, False])
+async def test_a_drain_may_take_its_grace_period_on_top_of_the_execute_timeout(watch: bool) -> None:
+    async with rig(2, dwell=Dwell(drain=1.0), execute_timeout=0.5, watch=watch, poll_interval=0.05) as r:
+        mid = r.ids[0]
+        r.executor.submit_create(mid, binding())
+        await until(lambda: settled(r), 30, "the create")
+        assert r.executor.submit_drain(mid, 2, 0, "reclaim")  # 1 s of drain < 0.5 s + 2 s grace
+        await until(lambda: settled(r), 30, "the drain")
+        assert r.view.get(mid).state == S.MACHINE_STATE_IDLE, r.view.get(mid).last_error  # type: ignore[union-attr]
