@@ -153,6 +153,7 @@ class ShardDaemon:
         self._stopping = asyncio.Event()
         self._cursor = b""
         self._reconciles = 0
+        self._reconcile_task: asyncio.Task[None] | None = None
         self._last_reconcile = 0.0
         self._last_compute = 0.0
         # One long-lived engine: it keeps its machine index and per-cluster results between cycles, so
@@ -287,7 +288,7 @@ class ShardDaemon:
 
     async def run_cycle(self) -> Decision | None:
         cycle_started = time.perf_counter()
-        if self.config.clock() - self._last_reconcile >= self.config.reconcile_interval:
+        if self._reconcile_task is None and self.config.clock() - self._last_reconcile >= self.config.reconcile_interval:
             try:
                 await self.reconcile()
             except ProviderError as exc:
@@ -569,8 +570,30 @@ class ShardDaemon:
 
     async def _start_loops(self) -> None:
         await self.initial_reconcile()
+        if not self.config.compute_inline:
+            # Reconcile on its own task: a cycle never waits on a provider List (a full one at 500k
+            # machines takes seconds to serve), it decides on the view as last merged. The simulator
+            # (compute_inline) keeps reconcile inside the cycle so its virtual-clock traces stand.
+            self._reconcile_task = asyncio.create_task(self.reconcile_loop(), name="shard-reconcile")
+            self._tasks.append(self._reconcile_task)
         self.trigger()
         await self.cycle_loop()
+
+    async def reconcile_loop(self) -> None:
+        """Merge the provider's changes every ``reconcile_interval``, independent of cycles."""
+        interval = max(self.config.reconcile_interval, 0.05)
+        while not self._stopping.is_set():
+            try:
+                await asyncio.wait_for(self._stopping.wait(), interval)
+                return
+            except TimeoutError:
+                pass
+            try:
+                await self.reconcile()
+            except ProviderError as exc:
+                log.warning("reconcile failed; cycles decide on the last known inventory", error=str(exc))
+            except Exception:
+                log.exception("reconcile failed")
 
     async def stop(self, drain_timeout: float = 5.0) -> None:
         self._stopping.set()
