@@ -28,7 +28,7 @@ class ShardSettings(BaseSettings):
     execute_concurrency: int = Field(256, ge=1)  # provider mutations + bootstrap pulls in flight
     reclaim_ack_timeout: float = Field(10.0, gt=0)
     reconcile_interval: float = Field(1.0, ge=0)
-    full_reconcile_every: int = Field(30, ge=1)
+    full_reconcile_every: int = Field(300, ge=1)  # a full List at 500k machines is ~100 MB
     available_capacity_interval: float = Field(5.0, ge=0)
     reclaim_cap_fraction: float = Field(0.05, ge=0, le=1)
     # Idle elastic machines are released (Delete) after this long; 0 or less: never.

@@ -54,7 +54,7 @@ class DaemonConfig:
     cycle_interval: float = 10.0
     min_cycle_gap: float = 0.2
     reconcile_interval: float = 1.0
-    full_reconcile_every: int = 30
+    full_reconcile_every: int = 300
     available_capacity_interval: float = 5.0
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
