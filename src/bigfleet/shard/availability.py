@@ -117,16 +117,36 @@ def update_message(need: Need, a: Availability) -> shard_pb2.ShardMessage:
 
 
 class AvailabilityEmitter:
-    def __init__(self, interval_seconds: float = 5.0) -> None:
+    """Rate limit and change filter for the advisory AvailableCapacityUpdate.
+
+    A count that moved by less than ``min_relative_change`` of its previous value (and by at least
+    one machine below that) is not a change: in a busy shard the free count of a shape moves by a
+    few machines every cycle, and re-advertising every need's hint for that would cost a message
+    per need every interval while telling the operator nothing it can act on. Confidence and cost
+    changes always count."""
+
+    def __init__(self, interval_seconds: float = 5.0, min_relative_change: float = 0.02) -> None:
         self.interval = interval_seconds
+        self.min_relative_change = min_relative_change
         self._last: dict[tuple[str, str], tuple[tuple[int, int, float], float]] = {}
+        #: a real change was held back by the interval during the current pass (re-check next pass)
+        self.deferred = False
+
+    def _same(self, old: tuple[int, int, float], new: tuple[int, int, float]) -> bool:
+        if old[1:] != new[1:]:
+            return False
+        return abs(new[0] - old[0]) < max(1.0, self.min_relative_change * old[0])
 
     def due(self, cluster_id: str, fingerprint: str, a: Availability, now: float) -> bool:
         key = (cluster_id, fingerprint)
         sig = (a.count, a.confidence, a.cost)
         prev = self._last.get(key)
-        if prev is not None and (prev[0] == sig or now - prev[1] < self.interval):
-            return False
+        if prev is not None:
+            if self._same(prev[0], sig):
+                return False
+            if now - prev[1] < self.interval:
+                self.deferred = True
+                return False
         self._last[key] = (sig, now)
         return True
 

@@ -154,6 +154,10 @@ class ShardDaemon:
         self._cursor = b""
         self._reconciles = 0
         self._reconcile_task: asyncio.Task[None] | None = None
+        self._avail_key: tuple[int, int, int] | None = None
+        self._avail_hints: dict[Any, availability.Availability] | None = None
+        self._avail_at = 0.0
+        self._quarantine_shown: set[str] = set()
         self._last_reconcile = 0.0
         self._last_compute = 0.0
         # One long-lived engine: it keeps its machine index and per-cluster results between cycles, so
@@ -228,10 +232,14 @@ class ShardDaemon:
         self.store.mark_first_rollup(cluster_id)
         if not self.guard.admit(cluster_id, len(needs)):
             self.metrics.rollup_quarantined.labels(cluster_id).set(self.guard.held(cluster_id))
+            self._quarantine_shown.add(cluster_id)
             log.warning("roll-up held by the empty-roll-up guard", cluster=cluster_id, rows=len(needs),
                         held=self.guard.held(cluster_id))
             return RollupOutcome(False, quarantined=True)
-        self.metrics.rollup_quarantined.labels(cluster_id).set(0)
+        if cluster_id in self._quarantine_shown:
+            # Per-cluster series exist only while (or since) a cluster was held: one zero-valued
+            # child per cluster would make every scrape of a 5 000-session shard walk 5 000 series.
+            self.metrics.rollup_quarantined.labels(cluster_id).set(0)
         if self.before_apply is not None and not await self.before_apply(cluster_id, pb, now):
             return RollupOutcome(False, error="roll-up not replicated (shard replica not leading); resend")
         changed = self.store.apply_rollup(cluster_id, needs, now)
@@ -497,8 +505,17 @@ class ShardDaemon:
         return n
 
     async def _emit_availability(self, needs: Iterable[Need], hints: dict[Any, availability.Availability]) -> None:
-        """Send due AvailableCapacityUpdates to the connected clusters among ``needs``."""
+        """Send due AvailableCapacityUpdates to the connected clusters among ``needs``.
+
+        The pass walks every need, so it is skipped when it cannot send anything: same hints, same
+        table, same sessions, nothing frozen or unfrozen, and no change held back by the interval."""
         now = self.config.clock()
+        key = (self.store.table.generation, self.sessions.version, len(self.frozen_clusters))
+        if (key == self._avail_key and hints == self._avail_hints and not self.availability.deferred
+                and now - self._avail_at < self.config.available_capacity_interval):
+            return
+        self._avail_key, self._avail_hints, self._avail_at = key, hints, now
+        self.availability.deferred = False
         get = self.sessions.get
         for i, need in enumerate(needs):
             if i % 2000 == 1999:

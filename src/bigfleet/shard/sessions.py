@@ -158,6 +158,8 @@ class SessionRegistry:
         self._metrics = metrics
         self.metrics = metrics
         self.on_removed: list[Callable[[str], None]] = []
+        #: bumped whenever a session is installed or removed (lets per-cycle passes skip when idle)
+        self.version = 0
 
     def get(self, cluster_id: str) -> OperatorSession | None:
         return self._by_cluster.get(cluster_id)
@@ -171,6 +173,7 @@ class SessionRegistry:
     def install(self, session: OperatorSession) -> None:
         old = self._by_cluster.get(session.cluster_id)
         self._by_cluster[session.cluster_id] = session
+        self.version += 1
         if old is not None:
             old.close(grpc.StatusCode.ABORTED, "replaced by a newer session for this cluster")
         if self._metrics:
@@ -180,6 +183,7 @@ class SessionRegistry:
     def remove(self, session: OperatorSession) -> None:
         if self._by_cluster.get(session.cluster_id) is session:
             del self._by_cluster[session.cluster_id]
+            self.version += 1
             for cb in self.on_removed:
                 cb(session.cluster_id)
         if self._metrics:
