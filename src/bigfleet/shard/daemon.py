@@ -154,9 +154,11 @@ class ShardDaemon:
         self._cursor = b""
         self._reconciles = 0
         self._reconcile_task: asyncio.Task[None] | None = None
-        self._avail_key: tuple[int, int, int] | None = None
-        self._avail_hints: dict[Any, availability.Availability] | None = None
-        self._avail_at = 0.0
+        # AvailableCapacityUpdate pass bookkeeping (see _emit_availability)
+        self._avail_at = float("-inf")
+        self._avail_sessions = -1
+        self._avail_frozen = 0
+        self._avail_dirty: set[str] = set()
         self._quarantine_shown: set[str] = set()
         self._last_reconcile = 0.0
         self._last_compute = 0.0
@@ -243,6 +245,8 @@ class ShardDaemon:
         if self.before_apply is not None and not await self.before_apply(cluster_id, pb, now):
             return RollupOutcome(False, error="roll-up not replicated (shard replica not leading); resend")
         changed = self.store.apply_rollup(cluster_id, needs, now)
+        if changed:
+            self._avail_dirty.add(cluster_id)
         self._accepted_digest[cluster_id] = digest
         self.metrics.rollups.inc()
         if changed:
@@ -507,17 +511,26 @@ class ShardDaemon:
     async def _emit_availability(self, needs: Iterable[Need], hints: dict[Any, availability.Availability]) -> None:
         """Send due AvailableCapacityUpdates to the connected clusters among ``needs``.
 
-        The pass walks every need, so it is skipped when it cannot send anything: same hints, same
-        table, same sessions, nothing frozen or unfrozen, and no change held back by the interval."""
+        Walking every need costs O(needs) on the loop, and a busy shard cycles several times a
+        second, so the full walk runs once per ``available_capacity_interval`` (the hint's own rate
+        limit) or when sessions came or went; in between, only clusters whose demand changed since
+        the last pass are looked at (their new needs get a hint right after the cycle)."""
         now = self.config.clock()
-        key = (self.store.table.generation, self.sessions.version, len(self.frozen_clusters))
-        if (key == self._avail_key and hints == self._avail_hints and not self.availability.deferred
-                and now - self._avail_at < self.config.available_capacity_interval):
+        full = (now - self._avail_at >= self.config.available_capacity_interval
+                or self.sessions.version != self._avail_sessions or len(self.frozen_clusters) != self._avail_frozen)
+        if full:
+            self._avail_at, self._avail_sessions = now, self.sessions.version
+            self._avail_frozen = len(self.frozen_clusters)
+            self._avail_dirty.clear()
+            todo: Iterable[Need] = needs
+        elif self._avail_dirty:
+            table, fc = self.store.table, self.frozen_clusters
+            dirty, self._avail_dirty = self._avail_dirty, set()
+            todo = [n for c in dirty if c not in fc for n in table.cluster(c)]
+        else:
             return
-        self._avail_key, self._avail_hints, self._avail_at = key, hints, now
-        self.availability.deferred = False
         get = self.sessions.get
-        for i, need in enumerate(needs):
+        for i, need in enumerate(todo):
             if i % 2000 == 1999:
                 await asyncio.sleep(0)  # long lists must not hold the loop
             if get(need.cluster_id) is None:
