@@ -531,8 +531,8 @@ class ShardDaemon:
             return
         get = self.sessions.get
         for i, need in enumerate(todo):
-            if i % 2000 == 1999:
-                await asyncio.sleep(0)  # long lists must not hold the loop
+            if i % 256 == 255:
+                await asyncio.sleep(0)  # long lists must not hold the loop (measured: 2 000 needs ≈ 60 ms)
             if get(need.cluster_id) is None:
                 continue
             a = hints.get(need.requirements)
