@@ -366,3 +366,24 @@ async def test_a_drain_may_take_its_grace_period_on_top_of_the_execute_timeout(w
         assert r.executor.submit_drain(mid, 2, 0, "reclaim")  # 1 s of drain < 0.5 s + 2 s grace
         await until(lambda: settled(r), 30, "the drain")
         assert r.view.get(mid).state == S.MACHINE_STATE_IDLE, r.view.get(mid).last_error  # type: ignore[union-attr]
+
+
+async def test_long_waits_get_a_direct_look_not_a_full_list() -> None:
+    """A flow waiting longer than watch_full_after gets one Get of its own machine per period; the
+    shared watch never falls back to a full List (at 10^5 machines that stalls the session loop)."""
+    async with rig(6, dwell=Dwell(create=1.2), watch_full_after=0.3, execute_timeout=20) as r:
+        cursors: list[bytes] = []
+        real_list = r.client.list
+
+        async def recording_list(since: bytes = b"", **kw: Any) -> Any:
+            cursors.append(since)
+            return await real_list(since, **kw)
+
+        r.executor.provider.list = recording_list  # type: ignore[method-assign]
+        for i, mid in enumerate(r.ids):
+            assert r.executor.submit_create(mid, binding(f"c{i % 2}"))
+        await until(lambda: settled(r), 30, "all flows to finish")
+        assert r.states() == {"MACHINE_STATE_CONFIGURED": 6}
+        assert sum(1 for c in cursors if not c) == 1  # only the very first watch List was a full one
+        assert r.executor.confirm_gets >= 6  # each long-waiting flow was looked at directly
+        assert r.rpcs("Get") == r.executor.confirm_gets

@@ -80,7 +80,7 @@ class ExecutorConfig:
     # Get per machine (what the deterministic simulator's golden traces were recorded with).
     watch: bool = True
     watch_interval: float = 0.05  # least time between two watch Lists
-    watch_full_after: float = 10.0  # a flow waiting this long makes the next watch List a full one
+    watch_full_after: float = 10.0  # a flow waiting this long gets a Get of its machine (at most 64 per round)
 
 
 class Slots:
@@ -123,7 +123,7 @@ class Slots:
 
 
 class _Waiter:
-    __slots__ = ("fut", "gen", "since", "targets")
+    __slots__ = ("checked", "fut", "gen", "since", "targets")
 
     def __init__(self, fut: asyncio.Future[provider_pb2.Machine], targets: frozenset[int], gen: int,
                  since: float) -> None:
@@ -131,6 +131,7 @@ class _Waiter:
         self.targets = targets
         self.gen = gen
         self.since = since
+        self.checked = since  # when this flow's machine was last looked at directly (a Get)
 
 
 class Executor:
@@ -432,9 +433,16 @@ class Executor:
             ended = self._ended_during_list = set()
             full = not self._watch_cursor
             if not full and started - self._watch_last_full >= self.config.watch_full_after:
-                # Something waits unusually long (a provider that lost its revisions?): look at everything.
-                oldest = min(w.since for w in self._waiters.values())
-                full = started - oldest >= self.config.watch_full_after
+                # Flows waiting unusually long (a provider that lost its revisions?) get a direct look
+                # at their own machines -- a bounded number of Gets -- rather than a full List, which
+                # at 10^5 machines stalls the session loop for a tenth of a second or more.
+                self._watch_last_full = started
+                stale = [(mid, x) for mid, x in self._waiters.items()
+                         if started - x.checked >= self.config.watch_full_after and not x.fut.done()]
+                stale.sort(key=lambda x: x[1].checked)
+                for mid, sw in stale[:64]:
+                    sw.checked = started
+                    self._spawn_confirm(mid, sw)
             try:
                 lst = await self.provider.list(b"" if full else self._watch_cursor, total=30.0)
             except ProviderError as exc:
