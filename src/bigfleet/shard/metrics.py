@@ -12,7 +12,9 @@ def _exp(start: float, factor: float, count: int) -> list[float]:
 class ShardMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
-        cyc = _exp(0.001, 2, 14)
+        # Powers of two, plus the scale targets (0.25 s and 1 s cycle p99, issue #12) and a few
+        # neighbours, so a quantile can be read against a target instead of "somewhere in (0.128, 0.256]".
+        cyc = sorted(set(_exp(0.001, 2, 14)) | {0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.75, 1.0, 1.5})
         self.cycle_duration = Histogram("bigfleet_shard_cycle_duration_seconds", "Whole decision cycle", buckets=cyc, registry=r)
         self.phase_duration = Histogram(
             "bigfleet_shard_cycle_phase_duration_seconds", "Cycle time per phase", ["phase"], buckets=cyc, registry=r
