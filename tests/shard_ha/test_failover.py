@@ -32,12 +32,24 @@ async def test_one_leader_followers_redirect_and_failover_keeps_demand() -> None
             assert hint == leader.listen
 
         clusters = [f"c{i}" for i in range(3)]
-        ops = [Operator(leader.listen, c) for c in clusters]
-        for op in ops:
-            await op.__aenter__()
-            await op.rollup([need("1", count=2), need("2", priority=200)])
-        for op in ops:
-            await until(partial(_acked, op), 30, "roll-up ack")
+        for attempt in range(3):
+            # On a loaded box the leader can lose its term between the checks above and the operators'
+            # first frames (the stream is then closed under a write): find the leader again.
+            ops = [Operator(leader.listen, c) for c in clusters]
+            try:
+                for op in ops:
+                    await op.__aenter__()
+                    await op.rollup([need("1", count=2), need("2", priority=200)])
+                for op in ops:
+                    await until(partial(_acked, op), 30, "roll-up ack")
+                break
+            except (grpc.aio.AioRpcError, TimeoutError):
+                for op in ops:
+                    if hasattr(op, "_task"):
+                        await op.__aexit__()
+                if attempt == 2:
+                    raise
+                leader = await g.leader()
         first_epoch = ops[0].acks[-1].shard_epoch
         # Busy: Creates in flight on the provider.
         await until(lambda: _creating(g), 30, "Creates in flight")
