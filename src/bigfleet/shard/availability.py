@@ -129,8 +129,6 @@ class AvailabilityEmitter:
         self.interval = interval_seconds
         self.min_relative_change = min_relative_change
         self._last: dict[tuple[str, str], tuple[tuple[int, int, float], float]] = {}
-        #: a real change was held back by the interval during the current pass (re-check next pass)
-        self.deferred = False
 
     def _same(self, old: tuple[int, int, float], new: tuple[int, int, float]) -> bool:
         if old[1:] != new[1:]:
@@ -145,8 +143,7 @@ class AvailabilityEmitter:
             if self._same(prev[0], sig):
                 return False
             if now - prev[1] < self.interval:
-                self.deferred = True
-                return False
+                return False  # held back, not lost: the daemon walks every need once per interval
         self._last[key] = (sig, now)
         return True
 
