@@ -68,6 +68,7 @@ class Session:
         self.ready = asyncio.Event()
         self.sent = 0
         self.frames = 0
+        self.kinds: dict[str, int] = {}
         self.error = ""
         self.reconnects = 0
 
@@ -114,7 +115,9 @@ class Session:
         try:
             async for msg in call:
                 self.frames += 1
-                if msg.WhichOneof("payload") == "ack":
+                kind = msg.WhichOneof("payload")
+                self.kinds[kind] = self.kinds.get(kind, 0) + 1
+                if kind == "ack":
                     if msg.ack.echo == "hello":
                         self.ready.set()
                     elif msg.ack.echo == "rollup" and self.pending:
@@ -123,6 +126,15 @@ class Session:
                             self.lat.append(time.perf_counter() - t0)
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass
+
+
+async def _watch_lag(out: list[float], stop: asyncio.Event, measure_from: list[float]) -> None:
+    """How late a 20 ms timer fires on the load generator's own loop (its share of the ack latency)."""
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        await asyncio.sleep(0.02)
+        if measure_from:
+            out.append(max(0.0, time.perf_counter() - t0 - 0.02))
 
 
 def _buckets(text: str, name: str) -> list[tuple[float, float]]:
@@ -165,6 +177,8 @@ async def drive(args: argparse.Namespace, shard_addr: str, pid: int, metrics_url
     sessions = [Session(stubs[i % len(stubs)], f"bench-{i:05d}", args.interval, lat, stop, args.change_fraction)
                 for i in range(args.sessions)]
     t_open = time.perf_counter()
+    client_lag: list[float] = []
+    lag_task = asyncio.create_task(_watch_lag(client_lag, stop, measure_from))
     go = asyncio.Event()
     tasks = []
     for i, s in enumerate(sessions):
@@ -189,16 +203,19 @@ async def drive(args: argparse.Namespace, shard_addr: str, pid: int, metrics_url
     await asyncio.sleep(args.interval)
     measure_from.append(time.perf_counter())
     cpu_m0, t_m0 = proc_cpu_seconds(pid), time.perf_counter()
+    ccpu0 = proc_cpu_seconds(os.getpid())
     text0 = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
     await asyncio.sleep(args.duration)
     text1 = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
     cpu_m1, t_m1 = proc_cpu_seconds(pid), time.perf_counter()
+    ccpu1 = proc_cpu_seconds(os.getpid())
     rss_load = proc_rss_mb(pid)
     stop.set()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.gather(*tasks, lag_task, return_exceptions=True)
     for ch in channels:
         await ch.close()
     lat.sort()
+    client_lag.sort()
     n = len(lat)
     errors = [s.error for s in sessions if s.error and not s.ready.is_set()]
     cycles = metric_value(text1, "bigfleet_shard_cycles_total") - metric_value(text0, "bigfleet_shard_cycles_total")
@@ -212,8 +229,13 @@ async def drive(args: argparse.Namespace, shard_addr: str, pid: int, metrics_url
         "max_ms": lat[-1] * 1000 if n else float("nan"),
         "mean_ms": statistics.fmean(lat) * 1000 if n else float("nan"),
         "server_handle_p99_ms_le": histogram_quantile(text1, "bigfleet_shard_rollup_handle_seconds", 0.99, text0) * 1000,
+        "server_read_to_ack_p99_ms_le": histogram_quantile(text1, "bigfleet_shard_rollup_ack_seconds", 0.99, text0) * 1000,
+        "server_read_to_ack_p50_ms_le": histogram_quantile(text1, "bigfleet_shard_rollup_ack_seconds", 0.5, text0) * 1000,
         "loop_lag_p99_ms_le": histogram_quantile(text1, "bigfleet_shard_event_loop_lag_seconds", 0.99, text0) * 1000,
         "loop_lag_max_ms_le": histogram_quantile(text1, "bigfleet_shard_event_loop_lag_seconds", 1.0, text0) * 1000,
+        "client_loop_lag_p99_ms": client_lag[int(len(client_lag) * 0.99)] * 1000 if client_lag else float("nan"),
+        "client_loop_lag_max_ms": client_lag[-1] * 1000 if client_lag else float("nan"),
+        "client_cpu_cores": (ccpu1 - ccpu0) / (t_m1 - t_m0),
         "cycles": cycles,
         "cycle_p50_s_le": histogram_quantile(text1, "bigfleet_shard_cycle_duration_seconds", 0.5, text0),
         "cycle_p99_s_le": histogram_quantile(text1, "bigfleet_shard_cycle_duration_seconds", 0.99, text0),
@@ -223,6 +245,8 @@ async def drive(args: argparse.Namespace, shard_addr: str, pid: int, metrics_url
         "shard_rss_open_mb": rss_open,
         "shard_rss_load_mb": rss_load,
         "rss_per_session_kb": (rss_open - rss0) * 1024 / args.sessions,
+        **{f"frames_{k}": sum(s.kinds.get(k, 0) for s in sessions)
+           for k in sorted({k for s in sessions for k in s.kinds})},
         "session_reconnects": sum(s.reconnects for s in sessions),
         "sessions_failed": len(errors),
         "cpu_ms_per_rollup": (cpu_m1 - cpu_m0) * 1000 / n if n else float("nan"),

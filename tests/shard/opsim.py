@@ -49,6 +49,9 @@ class FakeOperator:
         else:
             self._channel = insecure_channel(self.target)
         self._call = shard_pb2_grpc.ShardStub(self._channel).Session()
+        # grpc.aio allows one write in flight per call: the reader's automatic answers and the
+        # test's own sends take turns (a second concurrent write fails with TOO_MANY_OPERATIONS).
+        self._write_lock = asyncio.Lock()
         await self._call.write(shard_pb2.OperatorMessage(hello=shard_pb2.Hello(cluster_id=self.cluster_id,
                                                                                 protocol_version="v1alpha1")))
         self._reader = asyncio.create_task(self._read())
@@ -66,11 +69,12 @@ class FakeOperator:
         await self._channel.close()
 
     async def send_rollup(self, needs: list[capacity_pb2.CapacityNeed], cluster_id: str | None = None) -> None:
-        await self._call.write(shard_pb2.OperatorMessage(rollup=capacity_pb2.ClusterCapacityNeeds(
+        await self.send(shard_pb2.OperatorMessage(rollup=capacity_pb2.ClusterCapacityNeeds(
             cluster_id=self.cluster_id if cluster_id is None else cluster_id, needs=needs)))
 
     async def send(self, msg: shard_pb2.OperatorMessage) -> None:
-        await self._call.write(msg)
+        async with self._write_lock:
+            await self._call.write(msg)
 
     async def _read(self) -> None:
         try:
@@ -83,12 +87,12 @@ class FakeOperator:
                     self.on_frame(msg)
                 kind = msg.WhichOneof("payload")
                 if kind == "bootstrap_request" and self.answer_bootstrap:
-                    await self._call.write(shard_pb2.OperatorMessage(bootstrap_response=shard_pb2.BootstrapBlobResponse(
+                    await self.send(shard_pb2.OperatorMessage(bootstrap_response=shard_pb2.BootstrapBlobResponse(
                         request_id=msg.bootstrap_request.request_id, user_data=self.blob, ttl_seconds=3600,
                         error=self.bootstrap_error)))
                 elif kind == "reclaim_instruction" and self.ack_reclaims:
                     ri = msg.reclaim_instruction
-                    await self._call.write(shard_pb2.OperatorMessage(reclaim_ack=shard_pb2.ReclaimAck(
+                    await self.send(shard_pb2.OperatorMessage(reclaim_ack=shard_pb2.ReclaimAck(
                         instruction_id=ri.instruction_id, nodes_started=len(ri.nodes))))
             self.status = grpc.StatusCode.OK
         except grpc.aio.AioRpcError as exc:

@@ -4,6 +4,7 @@ shard enforces on the engine's actions (first-roll-up gate, in-flight dedupe, ap
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -185,3 +186,73 @@ async def test_forked_engine_matches_the_in_process_engine() -> None:
     assert d_fork.state == d_thread.state
     assert hints_fork == hints_thread
     assert rows == {(v.cluster_id, v.fingerprint): verdict_row(v) for v in d_thread.verdicts}
+
+
+def test_view_keeps_records_serialized_and_hands_out_copies() -> None:
+    v = MachineView()
+    for i in range(6):
+        state = (S.MACHINE_STATE_IDLE, S.MACHINE_STATE_CONFIGURED, S.MACHINE_STATE_DRAINING)[i % 3]
+        assert v.set(machine(f"m{i}", state, "" if state == S.MACHINE_STATE_IDLE else f"c{i % 2}"))
+    assert all(isinstance(raw, bytes) for raw in v._pb.values())  # not parsed messages (~8x the memory)
+    got = v.get("m1")
+    assert got is not None and got == machine("m1", S.MACHINE_STATE_CONFIGURED, "c1")
+    got.state = S.MACHINE_STATE_FAILED  # a copy: the view is not changed behind its back
+    assert v.get("m1").state == S.MACHINE_STATE_CONFIGURED  # type: ignore[union-attr]
+    assert v.shows(machine("m1", S.MACHINE_STATE_CONFIGURED, "c1")) and not v.shows(got)
+    # census from counts and the cluster index equals a walk over every record
+    for want in ("", "c0", "c1", "nope"):
+        per_state: dict[int, int] = {}
+        bound: dict[str, int] = {}
+        pbs = [pb for pb in v.all() if not want or pb.cluster == want]
+        for pb in pbs:
+            per_state[pb.state] = per_state.get(pb.state, 0) + 1
+            if pb.cluster and pb.state in (S.MACHINE_STATE_CONFIGURING, S.MACHINE_STATE_CONFIGURED,
+                                           S.MACHINE_STATE_DRAINING):
+                bound[pb.cluster] = bound.get(pb.cluster, 0) + 1
+        assert v.census(want) == (per_state, bound, len(pbs), 0), want
+    # the provider's newer record of a machine the executor owns is kept aside, and dropped once shown
+    v.inflight["m0"] = "Provision"
+    newer = machine("m0", S.MACHINE_STATE_CONFIGURING, "c9")
+    assert v.observe(newer)
+    assert v.latest("m0") == newer and v.get("m0").state == S.MACHINE_STATE_IDLE  # type: ignore[union-attr]
+    del v.inflight["m0"]
+    assert v.observe(newer)
+    assert "m0" not in v.provider_latest and v.latest("m0") == newer
+    assert v.census("c9")[1:] == ({"c9": 1}, 1, 0)
+
+
+async def test_capacity_hints_are_sent_at_the_configured_rate() -> None:
+    from bigfleet.needs import rollup_from_proto
+    from bigfleet.shard.availability import Availability
+    from bigfleet.shard.sessions import OperatorSession
+
+    cfg = DaemonConfig(shard_id="s1", provider=f"127.0.0.1:{free_port()}", epoch=1, available_capacity_rate=400.0)
+    d = ShardDaemon(cfg, ShardMetrics(new_registry()))
+    sessions = []
+    needs = []
+    for c in range(20):
+        s = OperatorSession(f"c{c}", None, 4096)  # type: ignore[arg-type]
+        d.sessions.install(s)
+        sessions.append(s)
+        _, ns = rollup_from_proto(rollup(f"c{c}", [need(zone=f"z{k}") for k in range(5)]), 0)
+        needs.extend(ns)
+    hint = Availability(3, 1, 0.1, {"cpu": "8"})
+    sender = asyncio.create_task(d._send_hints())
+    try:
+        # what a cycle hands over: the walk runs on the sender's task
+        d._hint_input = (needs, {n.requirements: hint for n in needs})
+        d._hints_ready.set()
+        await asyncio.sleep(0.01)
+        assert len(d._hints) == 80  # all 100 decided at once; written over time:
+        assert sum(len(s.outbox) for s in sessions) == 20  # 400/s x 0.05 s per tick
+        for _ in range(100):
+            if not len(d._hints):
+                break
+            await asyncio.sleep(0.02)
+        assert sum(len(s.outbox) for s in sessions) == 100 and len(d._hints) == 0
+        frames = [(s.cluster_id, f) for s in sessions for f in s.outbox.pop_ready()]
+        assert {f.available_capacity.available_count for _, f in frames} == {3}
+        assert len({(c, f.available_capacity.supersedes_key) for c, f in frames}) == 100
+    finally:
+        sender.cancel()
+        await d.stop(drain_timeout=0.1)

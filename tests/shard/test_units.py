@@ -49,6 +49,32 @@ async def test_outbox_coalesces_by_key_and_keeps_order() -> None:
     assert ob.pop_ready() == []
 
 
+async def test_outbox_acks_overtake_queued_frames_one_write_at_a_time() -> None:
+    ob = Outbox(max_unkeyed=3)
+    for mid in ("a", "b", "c"):
+        ob.put(_node(mid, 2))
+    first = ob.pop_next()
+    assert first is not None and first.node_state_update.machine_id == "a"
+    ob.put(_ack("rollup"))  # queued behind b and c, written before them
+    order = []
+    while (f := ob.pop_next()) is not None:
+        order.append(f.ack.echo or f.node_state_update.machine_id)
+    assert order == ["rollup", "b", "c"]
+    # popping gives back room under the unkeyed bound, and an empty outbox waits again
+    for i in range(3):
+        ob.put(_ack(str(i)))
+    assert [ob.pop_next() is not None for _ in range(3)] == [True] * 3
+    ob.put(_ack("fits again"))
+    assert len(ob) == 1
+    ob.pop_next()
+    assert ob.pop_next() is None
+    waiter = asyncio.create_task(ob.wait())
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    ob.put(_node("z", 3))
+    await asyncio.wait_for(waiter, 1)
+
+
 async def test_outbox_never_blocks_and_overflows_on_unkeyed_frames() -> None:
     ob = Outbox(max_unkeyed=3)
     for i in range(3):

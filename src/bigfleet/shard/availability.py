@@ -8,6 +8,7 @@ runs it off the event loop. Sending is rate-limited per (cluster, fingerprint) a
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -150,3 +151,26 @@ class AvailabilityEmitter:
     def forget_cluster(self, cluster_id: str) -> None:
         for k in [k for k in self._last if k[0] == cluster_id]:
             del self._last[k]
+
+
+class HintQueue:
+    """Hints decided but not yet sent: one per (cluster, fingerprint), the newest decision wins and
+    keeps its place in the line. The daemon drains it at a bounded rate: a change in a shape's free
+    count can make every need of every cluster due at once (5 000 sessions x 10 needs = 50 000
+    frames), and written in one burst those frames queue every roll-up's ack behind them."""
+
+    def __init__(self) -> None:
+        self._q: OrderedDict[tuple[str, str], tuple[Need, Availability]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def put(self, need: Need, a: Availability) -> None:
+        self._q[(need.cluster_id, need.fingerprint)] = (need, a)
+
+    def take(self, n: int) -> list[tuple[Need, Availability]]:
+        out: list[tuple[Need, Availability]] = []
+        q = self._q
+        while q and len(out) < n:
+            out.append(q.popitem(last=False)[1])
+        return out

@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--execute-concurrency", type=int)
     p.add_argument("--reconcile-interval", type=float)
     p.add_argument("--available-capacity-interval", type=float)
+    p.add_argument("--available-capacity-rate", type=float,
+                   help="AvailableCapacityUpdate frames written per second, shard-wide (0: unpaced)")
     p.add_argument("--reclaim-cap-fraction", type=float)
     p.add_argument("--on-demand-hold-seconds", type=int, help="idle on-demand release hold (<= 0: never)")
     p.add_argument("--spot-hold-seconds", type=int, help="idle spot release hold (<= 0: never)")
@@ -227,6 +229,7 @@ def daemon_config(settings: Any, epoch: int) -> Any:
         reconcile_interval=settings.reconcile_interval,
         full_reconcile_every=settings.full_reconcile_every,
         available_capacity_interval=settings.available_capacity_interval,
+        available_capacity_rate=settings.available_capacity_rate,
         executor=ExecutorConfig(
             concurrency=settings.execute_concurrency,
             execute_timeout=settings.execute_timeout,

@@ -56,6 +56,8 @@ class DaemonConfig:
     reconcile_interval: float = 1.0
     full_reconcile_every: int = 300
     available_capacity_interval: float = 5.0
+    # AvailableCapacityUpdate frames written per second, shard-wide (0: as soon as decided).
+    available_capacity_rate: float = 5000.0
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
@@ -159,6 +161,10 @@ class ShardDaemon:
         self._avail_sessions = -1
         self._avail_frozen = 0
         self._avail_dirty: set[str] = set()
+        self._hints = availability.HintQueue()
+        self._hints_ready = asyncio.Event()
+        self._hints_paced = config.available_capacity_rate > 0 and not config.compute_inline
+        self._hint_input: tuple[Iterable[Need], dict[Any, availability.Availability]] | None = None
         self._quarantine_shown: set[str] = set()
         self._last_reconcile = 0.0
         self._last_compute = 0.0
@@ -362,8 +368,13 @@ class ShardDaemon:
                 observe(self.last)
             except Exception as exc:  # an observer must never stop cycles
                 log.warning("cycle observer failed", error=str(exc))
-        await self._emit_availability(
-            snapshot if snapshot is not None else chain.from_iterable((by_cluster or {}).values()), hints)
+        needs_seen = snapshot if snapshot is not None else chain.from_iterable((by_cluster or {}).values())
+        if self._hints_paced:
+            # The hint walk is advisory work: it runs on the sender's task, not inside the cycle.
+            self._hint_input = (needs_seen, hints)
+            self._hints_ready.set()
+        else:
+            await self._emit_availability(needs_seen, hints)
         self._update_inventory_gauge()
         self.metrics.cycle_duration.observe(time.perf_counter() - cycle_started)
         if decision.follow_up:
@@ -462,8 +473,8 @@ class ShardDaemon:
         fc, fm = self.frozen_clusters, self.frozen_machines
         for a in decision.actions:
             if (fc or fm) and (a.machine_id in fm or getattr(a, "cluster_id", "") in fc
-                               or (self.view.get(a.machine_id) is not None
-                                   and self.view.route(self.view.get(a.machine_id)) in fc)):  # type: ignore[arg-type]
+                               or ((shown := self.view.get(a.machine_id)) is not None
+                                   and self.view.route(shown) in fc)):
                 # Decided before a handoff froze them: never act on a machine being handed away.
                 self.metrics.action_outcomes.labels(type(a).__name__, "frozen_handoff").inc()
                 continue
@@ -530,6 +541,7 @@ class ShardDaemon:
         else:
             return
         get = self.sessions.get
+        pace = self._hints_paced
         for i, need in enumerate(todo):
             if i % 256 == 255:
                 await asyncio.sleep(0)  # long lists must not hold the loop (measured: 2 000 needs ≈ 60 ms)
@@ -537,7 +549,36 @@ class ShardDaemon:
                 continue
             a = hints.get(need.requirements)
             if a is not None and self.availability.due(need.cluster_id, need.fingerprint, a, now):
-                self.sessions.send(need.cluster_id, availability.update_message(need, a))
+                if pace:
+                    self._hints.put(need, a)
+                else:
+                    self.sessions.send(need.cluster_id, availability.update_message(need, a))
+
+    #: how often the paced hint sender wakes up (it sends ``available_capacity_rate`` x this per tick)
+    HINT_TICK = 0.05
+
+    async def _send_hints(self) -> None:
+        """Walk the newest cycle's hints and write the due ones at ``available_capacity_rate`` frames
+        per second, so a burst of hints never stands between an operator and its roll-up's ack (see
+        HintQueue), and the walk itself never lengthens a cycle."""
+        per_tick = max(1, int(self.config.available_capacity_rate * self.HINT_TICK))
+        get = self.sessions.get
+        while True:
+            await self._hints_ready.wait()
+            self._hints_ready.clear()
+            while True:
+                if self._hint_input is not None:
+                    needs, hints = self._hint_input
+                    self._hint_input = None
+                    await self._emit_availability(needs, hints)
+                if not len(self._hints):
+                    break
+                for need, a in self._hints.take(per_tick):
+                    session = get(need.cluster_id)
+                    if session is not None:  # (a cluster that went away meanwhile gets nothing)
+                        session.send(availability.update_message(need, a))
+                self.metrics.hints_queued.set(len(self._hints))
+                await asyncio.sleep(self.HINT_TICK)
 
     def _update_inventory_gauge(self) -> None:
         counts = self.view.counts()
@@ -590,6 +631,8 @@ class ShardDaemon:
         self._tasks.append(asyncio.create_task(self._start_loops(), name="shard-loops"))
         if not self.config.compute_inline:  # (the simulator's virtual clock has no real lag)
             self._tasks.append(asyncio.create_task(self._watch_loop_lag(), name="shard-loop-lag"))
+            if self.config.available_capacity_rate > 0:
+                self._tasks.append(asyncio.create_task(self._send_hints(), name="shard-hints"))
 
     async def _watch_loop_lag(self) -> None:
         """Sessions are served by this loop; a stall here is latency for every operator."""

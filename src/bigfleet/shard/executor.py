@@ -247,6 +247,9 @@ class Executor:
             self._outcome(kind, "not_applicable")
             return None
         self.view.inflight[machine_id] = kind
+        # What the provider last said of it (the view showed exactly that until now): the record a
+        # flow that does not happen hands the machine back to.
+        self.view.provider_latest[machine_id] = pb
         return pb
 
     @asynccontextmanager
@@ -304,7 +307,7 @@ class Executor:
         """A List record set aside by ``ended_after``: if it differs from the view, read the machine
         fresh, so a provider-side change that List carried is not lost until the next full reconcile."""
         machine_id = listed.id
-        if self.view.get(machine_id) == listed or machine_id in self.view.inflight:
+        if self.view.shows(listed) or machine_id in self.view.inflight:
             return  # nothing new in it (or a new flow owns the machine and will observe it)
 
         async def one() -> None:

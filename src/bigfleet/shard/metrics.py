@@ -50,6 +50,17 @@ class ShardMetrics:
         self.rollup_duration = Histogram(
             "bigfleet_shard_rollup_handle_seconds", "Validate and apply one roll-up", buckets=_exp(0.0001, 2, 16), registry=r
         )
+        self.hints_queued = Gauge(
+            "bigfleet_shard_available_capacity_queued", "AvailableCapacityUpdates decided, waiting for their paced send",
+            registry=r,
+        )
+        self.rollup_ack = Histogram(
+            "bigfleet_shard_rollup_ack_seconds",
+            "Roll-up frame read off the stream until its Ack is written back (queues included)",
+            # (with buckets at the 50 ms target and its neighbours, so p99 can be read against it)
+            buckets=sorted(set(_exp(0.0001, 2, 16)) | {0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2}),
+            registry=r,
+        )
         self.machines_rejected = Counter(
             "bigfleet_shard_machines_rejected_total", "Provider records rejected at ingest", ["reason"], registry=r
         )

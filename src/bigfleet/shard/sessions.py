@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -71,7 +72,10 @@ class OperatorSession:
         self._bootstrap_waiters: dict[str, asyncio.Future[BootstrapResult]] = {}
         self._reclaim_waiters: dict[str, asyncio.Future[int]] = {}
         self.pending_rollup: capacity_pb2.ClusterCapacityNeeds | None = None
+        self.pending_read_at = 0.0
         self.rollup_ready = asyncio.Event()
+        # id(ack frame) -> when its roll-up was read; the writer observes read -> written.
+        self.ack_read_at: dict[int, float] = {}
 
     def send(self, msg: shard_pb2.ShardMessage) -> bool:
         """Queue a frame; False (and the session closes) if its outbox overflowed."""
@@ -289,6 +293,8 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
                 return
             kind = msg.WhichOneof("payload")
             if kind == "rollup":
+                if session.pending_rollup is None:
+                    session.pending_read_at = time.perf_counter()
                 session.pending_rollup = msg.rollup
                 session.rollup_ready.set()
             elif kind == "bootstrap_response":
@@ -303,6 +309,7 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
             await session.rollup_ready.wait()
             session.rollup_ready.clear()
             pb = session.pending_rollup
+            read_at = session.pending_read_at
             session.pending_rollup = None
             if pb is None:
                 continue
@@ -318,7 +325,9 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
                 log.exception("roll-up handler failed", cluster=session.cluster_id)
                 continue
             if outcome.accepted or outcome.quarantined:
-                session.send(self._ack("rollup"))
+                ack = self._ack("rollup")
+                if session.send(ack) and self.registry.metrics:
+                    session.ack_read_at[id(ack)] = read_at
             elif outcome.error:
                 # No "rollup" ack for a rejected roll-up; the reason rides on an ack echo that
                 # operators log (they never act on acks), so the error is visible on the stream.
@@ -326,11 +335,16 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
 
     async def _writer(self, session: OperatorSession) -> None:
         ctx = session.context
+        outbox = session.outbox
         while True:
-            frames = session.outbox.pop_ready()
-            for f in frames:
-                await ctx.write(f)
-            if session.outbox.closed and not len(session.outbox):
-                return
-            if not frames:
-                await session.outbox.wait()
+            f = outbox.pop_next()
+            if f is None:
+                if outbox.closed:
+                    return
+                await outbox.wait()
+                continue
+            await ctx.write(f)
+            if session.ack_read_at:
+                read_at = session.ack_read_at.pop(id(f), None)
+                if read_at is not None and self.registry.metrics:
+                    self.registry.metrics.rollup_ack.observe(time.perf_counter() - read_at)
