@@ -160,6 +160,20 @@ def histogram_quantile(text: str, name: str, q: float, baseline: str = "") -> fl
     return float("inf")
 
 
+def _only(text: str, label: str) -> str:
+    """The exposition lines carrying ``label`` (one child of a labelled histogram)."""
+    return "\n".join(line for line in text.splitlines() if label in line)
+
+
+def _count(text: str, name: str, label: str, baseline: str) -> float:
+    def one(t: str) -> float:
+        for line in t.splitlines():
+            if line.startswith(name + "_count{") and label in line:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+    return one(text) - one(baseline)
+
+
 def metric_value(text: str, name: str) -> float:
     for line in text.splitlines():
         if line.startswith(name + " "):
@@ -236,6 +250,11 @@ async def drive(args: argparse.Namespace, shard_addr: str, pid: int, metrics_url
         "client_loop_lag_p99_ms": client_lag[int(len(client_lag) * 0.99)] * 1000 if client_lag else float("nan"),
         "client_loop_lag_max_ms": client_lag[-1] * 1000 if client_lag else float("nan"),
         "client_cpu_cores": (ccpu1 - ccpu0) / (t_m1 - t_m0),
+        **{f"gc_gen{g}_pauses": _count(text1, "bigfleet_shard_gc_pause_seconds", f'generation="{g}"', text0)
+           for g in (0, 1, 2)},
+        **{f"gc_gen{g}_max_ms_le": histogram_quantile(
+            _only(text1, f'generation="{g}"'), "bigfleet_shard_gc_pause_seconds", 1.0,
+            _only(text0, f'generation="{g}"')) * 1000 for g in (0, 1, 2)},
         "cycles": cycles,
         "cycle_p50_s_le": histogram_quantile(text1, "bigfleet_shard_cycle_duration_seconds", 0.5, text0),
         "cycle_p99_s_le": histogram_quantile(text1, "bigfleet_shard_cycle_duration_seconds", 0.99, text0),

@@ -185,7 +185,7 @@ async def test_forked_engine_matches_the_in_process_engine() -> None:
     assert d_fork.shortfalls == d_thread.shortfalls
     assert d_fork.state == d_thread.state
     assert hints_fork == hints_thread
-    assert rows == {(v.cluster_id, v.fingerprint): verdict_row(v) for v in d_thread.verdicts}
+    assert rows == {(v.cluster_id, v.fingerprint): verdict_row(v, d_thread.state.cycle) for v in d_thread.verdicts}
 
 
 def test_view_keeps_records_serialized_and_hands_out_copies() -> None:

@@ -161,7 +161,7 @@ def assert_same(got: Decision, rows: dict[Any, Any], hints: dict[Any, Any], worl
     # (how the incremental engine got there differs: cache hits, classes kept in its index)
     same = {"clusters_recomputed": 0, "clusters_reused": 0, "machine_classes": 0}
     assert replace(got.stats, **same) == replace(want.stats, **same)
-    assert rows == {(v.cluster_id, v.fingerprint): verdict_row(v) for v in want.verdicts}
+    assert rows == {(v.cluster_id, v.fingerprint): verdict_row(v, want.state.cycle) for v in want.verdicts}
     for n in snap:
         assert hints[n.requirements] == want_hints[n.requirements]
     if suppressed_counts is not None:
@@ -340,3 +340,31 @@ async def test_worker_process_killed_or_stuck_is_replaced_and_decisions_stay_equ
         last = worker.proc if worker is not None else None
         await d.stop(drain_timeout=0.1)
     assert last is not None and last.poll() is not None  # stop() ends the worker
+
+
+def test_rows_of_needs_that_stay_unmet_are_not_shipped_again_and_ages_read_back() -> None:
+    from bigfleet.shard.engineproc import row_age
+
+    world = World(11, machines=0)  # no machines: every need stays unmet, its age grows each cycle
+    for c in CLUSTERS:
+        _, ns = rollup_from_proto(capacity_pb2.ClusterCapacityNeeds(cluster_id=c, needs=[need("2", count=3)]), NOW)
+        world.store.mark_first_rollup(c)
+        world.store.apply_rollup(c, ns, NOW)
+    feed, core = MirrorFeed(), WorkerCore()
+    shipped = []
+    for _ in range(6):
+        req = world.request(feed)
+        reply = roundtrip(core, req)
+        assert reply.status == "ok", reply.error
+        got = feed.accept(req, reply)
+        world.store.save_engine_state(got.state)
+        shipped.append(len(reply.rows))
+        want = decide(tuple(world.store.table.snapshot()), [], NOW, world.store.engine_state(), world.config)
+        cycle = got.state.cycle
+        unmet = [v for v in want.verdicts if not v.satisfied]
+        assert unmet
+        # (`want` decided one cycle later on the saved state: its ages are one more)
+        for v in unmet:
+            row = feed.rows[(v.cluster_id, v.fingerprint)]
+            assert row_age(row[8], cycle) + 1 == v.age_cycles_unmet
+    assert shipped[0] == len(CLUSTERS) and shipped[2:] == [0, 0, 0, 0]  # ages grow; rows stay the same

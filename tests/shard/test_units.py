@@ -129,3 +129,33 @@ def test_guard_first_rollup_after_start_always_accepted_and_disabled() -> None:
     off = EmptyRollupGuard(GuardConfig(enabled=False))
     assert off.admit("c", 100)
     assert off.admit("c", 0)
+
+
+def test_first_rollup_flags_fold_into_the_engine_state_in_one_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bigfleet.decision import EngineState
+    from bigfleet.decision import types as dtypes
+    from bigfleet.shard.store import LocalDemandStore
+
+    store = LocalDemandStore()
+    copies = 0
+    real_init = dtypes.EngineState.__init__
+
+    def counting_init(self: EngineState, *a: object, **k: object) -> None:
+        nonlocal copies
+        copies += 1
+        real_init(self, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(dtypes.EngineState, "__init__", counting_init)
+    for i in range(2000):
+        store.mark_first_rollup(f"c{i}")
+        store.mark_first_rollup(f"c{i}")  # repeated: no-op
+    assert copies == 0  # nothing copied per cluster
+    assert len(store.engine_state().first_rollup) == 2000 and copies == 1
+    # an engine state computed before some flags arrived keeps the gate monotonic, in one copy
+    stale = EngineState(first_rollup=frozenset({"c1"}))
+    copies = 0
+    store.mark_first_rollup("late")
+    store.save_engine_state(stale)
+    assert copies == 1 and store.engine_state().first_rollup == frozenset({*(f"c{i}" for i in range(2000)), "late"})
+    store.forget_cluster("late")
+    assert "late" not in store.engine_state().first_rollup and not store.has_rolled_up("late")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -94,6 +94,21 @@ class EngineState:
             parking=self.parking,
             same_domains=self.same_domains,
             first_rollup=self.first_rollup | {cluster_id},
+        )
+
+    def with_first_rollups(self, cluster_ids: Iterable[str]) -> EngineState:
+        """`with_first_rollup` for many clusters in one copy (one per cluster is quadratic in
+        clusters: thousands of first roll-ups arrive while one cycle runs on a busy shard)."""
+        new = frozenset(cluster_ids) - self.first_rollup
+        if not new:
+            return self
+        return EngineState(
+            cycle=self.cycle,
+            shortfall_ages=self.shortfall_ages,
+            unmet_ages=self.unmet_ages,
+            parking=self.parking,
+            same_domains=self.same_domains,
+            first_rollup=self.first_rollup | new,
         )
 
     def forget_cluster(self, cluster_id: str) -> EngineState:

@@ -733,7 +733,7 @@ def _child_compute(w: int, args: tuple[Any, ...]) -> None:
     try:
         gc.disable()
         decision, hints = _compute(*args)
-        rows = {(v.cluster_id, v.fingerprint): verdict_row(v) for v in decision.verdicts}
+        rows = {(v.cluster_id, v.fingerprint): verdict_row(v, decision.state.cycle) for v in decision.verdicts}
         payload = pickle.dumps((replace(decision, verdicts=()), hints, rows), protocol=5)
         view = memoryview(payload)
         while view:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from bigfleet.needs import need_to_proto, requirement_to_proto
+from bigfleet.shard.engineproc import row_age
 from bigfleet.v1alpha1 import coordinator_pb2, provider_pb2, shardread_pb2, shardread_pb2_grpc
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ class ShardReadServicer(shardread_pb2_grpc.ShardReadServicer):
             v = verdicts.get((n.cluster_id, n.fingerprint))
             row = rec.verdict_rows.get((n.cluster_id, n.fingerprint)) if v is None else None
             if row is not None:
-                _fill_from_row(view, row)
+                _fill_from_row(view, row, rec.decision.state.cycle if rec.decision is not None else 0)
             if v is not None:
                 view.satisfied = v.satisfied
                 view.claimed_machine_count = v.claimed_count
@@ -100,10 +101,11 @@ class ShardReadServicer(shardread_pb2_grpc.ShardReadServicer):
         return shardread_pb2.ListShortfallsResponse(cycle=rec.cycle, shortfalls=out)
 
 
-def _fill_from_row(view: shardread_pb2.NeedView, row: tuple[Any, ...]) -> None:
-    """The fork-mode twin of the Verdict branch above (row layout: daemon.verdict_row)."""
-    (satisfied, claimed, boot, prov, domain, same_sat, parked, parked_age, age_unmet, reason, deficit,
+def _fill_from_row(view: shardread_pb2.NeedView, row: tuple[Any, ...], cycle: int) -> None:
+    """The worker/fork-mode twin of the Verdict branch above (row layout: engineproc.verdict_row)."""
+    (satisfied, claimed, boot, prov, domain, same_sat, parked, parked_since, unmet_since, reason, deficit,
      ms, victims, freed) = row
+    parked_age, age_unmet = row_age(parked_since, cycle), row_age(unmet_since, cycle)
     view.satisfied = bool(satisfied)
     view.claimed_machine_count = int(claimed)
     view.bootstrap_count = int(boot)

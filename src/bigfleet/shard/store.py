@@ -39,6 +39,7 @@ class LocalDemandStore:
         self._table = NeedsTable()
         self._state = EngineState()
         self._rolled_up: set[str] = set()
+        self._unfolded: set[str] = set()  # marked, not yet in the engine state
 
     @property
     def table(self) -> NeedsTable:
@@ -48,13 +49,19 @@ class LocalDemandStore:
         return self._table.replace(cluster_id, needs, now_unix_nanos)
 
     def mark_first_rollup(self, cluster_id: str) -> None:
-        self._rolled_up.add(cluster_id)
-        self._state = self._state.with_first_rollup(cluster_id)
+        # Folded into the engine state when it is next read: one copy of the flag set per read,
+        # not one per cluster (thousands of sessions say their first roll-up within seconds).
+        if cluster_id not in self._rolled_up:
+            self._rolled_up.add(cluster_id)
+            self._unfolded.add(cluster_id)
 
     def has_rolled_up(self, cluster_id: str) -> bool:
         return cluster_id in self._rolled_up
 
     def engine_state(self) -> EngineState:
+        if self._unfolded:
+            self._state = self._state.with_first_rollups(self._unfolded)
+            self._unfolded = set()
         return self._state
 
     def forget_cluster(self, cluster_id: str) -> None:
@@ -62,10 +69,10 @@ class LocalDemandStore:
         close its reclaim gate again (if it ever comes back, nothing is reclaimed before its roll-up)."""
         self._table.remove(cluster_id)
         self._rolled_up.discard(cluster_id)
+        self._unfolded.discard(cluster_id)
         self._state = self._state.forget_cluster(cluster_id)
 
     def save_engine_state(self, state: EngineState) -> None:
         # Keep the gate monotonic even if an engine forgot a flag.
-        for c in self._rolled_up - set(state.first_rollup):
-            state = state.with_first_rollup(c)
-        self._state = state
+        self._state = state.with_first_rollups(self._rolled_up - state.first_rollup)
+        self._unfolded = set()
