@@ -118,6 +118,32 @@ async def test_reclaim_waits_for_first_rollup_and_dedupes(daemon: ShardDaemon) -
     assert daemon.view.inflight.get("m2") == "Preempt"
 
 
+async def test_one_create_is_held_back_per_orphan_create(daemon: ShardDaemon) -> None:
+    """After a restart, a machine still CREATING that no flow here drives (its reservation died with
+    the old process) will turn up Idle and be handed out: one Create per such orphan is held back,
+    the rest of the cycle's Creates go ahead (holding back all of them stalled every acquisition
+    for up to two execute timeouts after any restart)."""
+    from bigfleet.decision import Create
+
+    submitted: list[str] = []
+    daemon.executor.submit_create = lambda mid, binding: submitted.append(mid)  # type: ignore[method-assign]
+    for i in range(2):
+        daemon.view.set(machine(f"orphan{i}", S.MACHINE_STATE_CREATING))
+    for i in range(5):
+        daemon.view.set(machine(f"spec{i}", S.MACHINE_STATE_SPECULATIVE))
+    creates = tuple(Create(f"spec{i}", "c1", "fp", 100) for i in range(5))
+    d = Decision(actions=creates, shortfalls=(), verdicts=(), stats=PhaseStats(), state=EngineState())
+    daemon._execute(d)
+    assert submitted == ["spec2", "spec3", "spec4"]
+    assert daemon.metrics.action_outcomes.labels("Provision", "deferred_orphan_create")._value.get() == 2
+    # an orphan the provider has finished creating no longer holds anything back
+    for i in range(2):
+        daemon.view.set(machine(f"orphan{i}", S.MACHINE_STATE_IDLE))
+    submitted.clear()
+    daemon._execute(d)
+    assert submitted == [f"spec{i}" for i in range(5)]
+
+
 async def test_failed_transition_ends_failed_with_error(daemon: ShardDaemon) -> None:
     daemon.view.set(machine("m1", S.MACHINE_STATE_IDLE))
     assert daemon.executor.submit_delete("m1")

@@ -481,7 +481,9 @@ class ShardDaemon:
             if isinstance(a, Create) and orphans:
                 # A Create from a previous incarnation (or one we lost track of) is still running:
                 # its machine will be Idle shortly and the engine will hand it out then. Creating
-                # another now would over-acquire because the old reservation died with the process.
+                # another in its place would over-acquire because the old reservation died with the
+                # process; so one Create is held back per orphan, and the rest go ahead.
+                orphans -= 1
                 self.metrics.action_outcomes.labels("Provision", "deferred_orphan_create").inc()
                 continue
             if isinstance(a, Create):
