@@ -18,7 +18,6 @@ import grpc
 
 from bigfleet.rpc import channel_options
 from bigfleet.security.tls import TLSConfig
-from bigfleet.shard.listing import ListedMachines, MalformedList
 from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.v1alpha1 import provider_pb2, provider_pb2_grpc
 
@@ -28,9 +27,6 @@ RETRYABLE = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
      grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN}
 )
-
-
-LIST_METHOD = "/bigfleet.v1alpha1.CapacityProvider/List"
 
 
 class ProviderError(Exception):
@@ -89,12 +85,6 @@ class ProviderClient:
             provider_pb2_grpc.CapacityProviderStub(ch) for ch in self._channels]
         self._stub: Any = self._stubs[0]
         self._rr = itertools.cycle(self._stubs)
-        # List answers as raw bytes, decoded lazily (bigfleet.shard.listing): a 500 000-machine
-        # answer parsed whole was the start-up memory peak. (An injected stub keeps its own List.)
-        self._raw_lists: list[Any] = [] if stub is not None else [
-            ch.unary_unary(LIST_METHOD, request_serializer=provider_pb2.ListFilter.SerializeToString,
-                           response_deserializer=None) for ch in self._channels]
-        self._raw_rr = itertools.cycle(self._raw_lists)
         # Per-RPC metric children, resolved once (labels() is a lock and a dict walk per call).
         self._rpc_hist: dict[str, Any] = {}
         self._seq = itertools.count(1)
@@ -197,17 +187,9 @@ class ProviderClient:
             total or self.lifecycle_timeout,
         )
 
-    async def list(self, since_revision: bytes = b"", total: float | None = None) -> ListedMachines:
-        """The provider's records (all, or changed since ``since_revision``), decoded one machine at a
-        time as the caller iterates."""
-        req = provider_pb2.ListFilter(since_revision=since_revision)
-        if not self._raw_lists:
-            lst = await self._call("List", lambda t: self._pick().List(req, timeout=max(t, 5.0)),
-                                   total or self.list_timeout)
-            return ListedMachines.of(lst)
-        raw = await self._call("List", lambda t: next(self._raw_rr)(req, timeout=max(t, 5.0)),
-                               total or self.list_timeout)
-        try:
-            return ListedMachines(raw)
-        except MalformedList as exc:
-            raise ProviderError("List", grpc.StatusCode.INTERNAL, f"undecodable List answer: {exc}") from None
+    async def list(self, since_revision: bytes = b"", total: float | None = None) -> provider_pb2.MachineList:
+        return await self._call(
+            "List",
+            lambda t: self._pick().List(provider_pb2.ListFilter(since_revision=since_revision), timeout=max(t, 5.0)),
+            total or self.list_timeout,
+        )
