@@ -84,8 +84,9 @@ async def test_paused_leader_is_fenced_and_steps_down() -> None:
         # The old replica steps down: NOT_SERVING, and it points operators at the new leader.
         await until(partial(_health, old, health_pb2.HealthCheckResponse.NOT_SERVING), 20, "old leader NOT_SERVING")
         assert await until(partial(_redirect, old.listen), 20, "redirect from the old leader") == new.listen
-        c = await new.cycle()
-        await until(lambda: _cycle_at(new, c + 5), 30, "five more cycles on the new leader")
+        # Cycles go on under the group's leader. (On a loaded box the resumed replica's return can
+        # cost the new leader its term -- seen once in CI: the next leader is then the one to watch.)
+        await until(partial(_leader_progressed, g, old, {}, 5), 60, "five more cycles on the leader")
         late = [x for x in g.spy.calls if x.epoch == old_epoch and x.at >= resumed and x.rpc != "Get"]
         new_touched = {x.machine_id for x in g.spy.calls if x.epoch > old_epoch and x.code == grpc.StatusCode.OK}
         print(f"late calls from the deposed leader: {[(x.rpc, x.machine_id, x.code.name) for x in late]}")
@@ -152,6 +153,16 @@ async def _creating(g: Group) -> bool:
 
 async def _cycle_at(r: Replica, n: int) -> bool:
     return await r.cycle() >= n
+
+
+async def _leader_progressed(g: Group, old: Replica, seen: dict[str, int], n: int) -> bool:
+    """True once the replica leading now (other than ``old``) ran ``n`` cycles since first seen here."""
+    try:
+        leader = await g.leader(timeout=5, exclude=old)
+        cycle = await leader.cycle()
+    except (grpc.aio.AioRpcError, TimeoutError):
+        return False
+    return cycle >= seen.setdefault(leader.listen, cycle) + n
 
 
 async def test_new_empty_replica_joins_through_membership_change() -> None:
