@@ -5,6 +5,7 @@ shard enforces on the engine's actions (first-roll-up gate, in-flight dedupe, ap
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,6 +22,7 @@ from bigfleet.testing import free_port
 from bigfleet.v1alpha1 import capacity_pb2, provider_pb2, shard_pb2
 
 from .opsim import need
+from .spy import until
 
 S = provider_pb2.MachineState
 
@@ -240,10 +242,10 @@ def test_view_keeps_records_serialized_and_hands_out_copies() -> None:
     v.inflight["m0"] = "Provision"
     newer = machine("m0", S.MACHINE_STATE_CONFIGURING, "c9")
     assert v.observe(newer)
-    assert v.latest("m0") == newer and v.get("m0").state == S.MACHINE_STATE_IDLE  # type: ignore[union-attr]
+    assert v.provider_latest["m0"] == newer and v.get("m0").state == S.MACHINE_STATE_IDLE  # type: ignore[union-attr]
     del v.inflight["m0"]
     assert v.observe(newer)
-    assert "m0" not in v.provider_latest and v.latest("m0") == newer
+    assert "m0" not in v.provider_latest and v.get("m0") == newer
     assert v.census("c9")[1:] == ({"c9": 1}, 1, 0)
 
 
@@ -257,26 +259,30 @@ async def test_capacity_hints_are_sent_at_the_configured_rate() -> None:
     sessions = []
     needs = []
     for c in range(20):
-        s = OperatorSession(f"c{c}", None, 4096)  # type: ignore[arg-type]
-        d.sessions.install(s)
-        sessions.append(s)
+        sess = OperatorSession(f"c{c}", None, 4096)  # type: ignore[arg-type]
+        d.sessions.install(sess)
+        sessions.append(sess)
         _, ns = rollup_from_proto(rollup(f"c{c}", [need(zone=f"z{k}") for k in range(5)]), 0)
         needs.extend(ns)
     hint = Availability(3, 1, 0.1, {"cpu": "8"})
+    # Each send records how many hints were still queued: a tick takes its batch off the queue
+    # first, so the sends of one tick share that number and a new number means a new tick.
+    queued_at_send: list[int] = []
+    for sess in sessions:
+        real = sess.send
+        sess.send = lambda msg, real=real: (queued_at_send.append(len(d._hints)), real(msg))[1]  # type: ignore[method-assign]
     sender = asyncio.create_task(d._send_hints())
     try:
         # what a cycle hands over: the walk runs on the sender's task
+        started = time.monotonic()
         d._hint_input = (needs, {n.requirements: hint for n in needs})
         d._hints_ready.set()
-        await asyncio.sleep(0.01)
-        assert len(d._hints) == 80  # all 100 decided at once; written over time:
-        assert sum(len(s.outbox) for s in sessions) == 20  # 400/s x 0.05 s per tick
-        for _ in range(100):
-            if not len(d._hints):
-                break
-            await asyncio.sleep(0.02)
-        assert sum(len(s.outbox) for s in sessions) == 100 and len(d._hints) == 0
-        frames = [(s.cluster_id, f) for s in sessions for f in s.outbox.pop_ready()]
+        await until(lambda: len(queued_at_send) == 100 and not len(d._hints), 10, "every hint sent")
+        elapsed = time.monotonic() - started
+        ticks = [(n, queued_at_send.count(n)) for n in sorted(set(queued_at_send), reverse=True)]
+        assert ticks == [(80, 20), (60, 20), (40, 20), (20, 20), (0, 20)]  # 400/s x 0.05 s per tick
+        assert elapsed >= 4 * d.HINT_TICK  # (five ticks: four sleeps between them at least)
+        frames = [(sess.cluster_id, f) for sess in sessions for f in sess.outbox.pop_ready()]
         assert {f.available_capacity.available_count for _, f in frames} == {3}
         assert len({(c, f.available_capacity.supersedes_key) for c, f in frames}) == 100
     finally:

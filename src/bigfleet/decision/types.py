@@ -85,16 +85,7 @@ class EngineState:
 
     def with_first_rollup(self, cluster_id: str) -> EngineState:
         """Mark that `cluster_id` sent a roll-up (even an empty or held one)."""
-        if cluster_id in self.first_rollup:
-            return self
-        return EngineState(
-            cycle=self.cycle,
-            shortfall_ages=self.shortfall_ages,
-            unmet_ages=self.unmet_ages,
-            parking=self.parking,
-            same_domains=self.same_domains,
-            first_rollup=self.first_rollup | {cluster_id},
-        )
+        return self.with_first_rollups((cluster_id,))
 
     def with_first_rollups(self, cluster_ids: Iterable[str]) -> EngineState:
         """`with_first_rollup` for many clusters in one copy (one per cluster is quadratic in

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import signal
 import sys
 from typing import Any
@@ -112,8 +113,6 @@ def main(argv: list[str]) -> int:
     # at 5 000 sessions: up to 128 ms in every generation). Survivors are frozen after each cycle
     # (daemon._settle_heap) and unfrozen for one full collection every 10 minutes, so rarer, larger
     # young collections and a full one only every 1 000 middle ones lose nothing but pauses.
-    import gc
-
     gc.set_threshold(*GC_THRESHOLDS)
     try:
         return asyncio.run(serve(settings, tls))

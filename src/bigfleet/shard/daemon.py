@@ -633,8 +633,8 @@ class ShardDaemon:
         self._tasks.append(asyncio.create_task(self._start_loops(), name="shard-loops"))
         if not self.config.compute_inline:  # (the simulator's virtual clock has no real lag)
             self._tasks.append(asyncio.create_task(self._watch_loop_lag(), name="shard-loop-lag"))
-            if self.config.available_capacity_rate > 0:
-                self._tasks.append(asyncio.create_task(self._send_hints(), name="shard-hints"))
+        if self._hints_paced:
+            self._tasks.append(asyncio.create_task(self._send_hints(), name="shard-hints"))
 
     async def _watch_loop_lag(self) -> None:
         """Sessions are served by this loop; a stall here is latency for every operator."""

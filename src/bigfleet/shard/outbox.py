@@ -55,12 +55,7 @@ class Outbox:
         if self.closed:
             return
         key = supersedes_key(msg)
-        if key is None and msg.HasField("ack"):
-            if self._unkeyed >= self._max_unkeyed:
-                raise OutboxOverflow(f"{self._unkeyed} unkeyed frames queued")
-            self._unkeyed += 1
-            self._acks.append(msg)
-        elif key is not None:
+        if key is not None:
             k: object = ("k", key)
             if k in self._frames:
                 del self._frames[k]
@@ -70,7 +65,10 @@ class Outbox:
             if self._unkeyed >= self._max_unkeyed:
                 raise OutboxOverflow(f"{self._unkeyed} unkeyed frames queued")
             self._unkeyed += 1
-            self._frames[("u", next(self._seq))] = msg
+            if msg.HasField("ack"):
+                self._acks.append(msg)
+            else:
+                self._frames[("u", next(self._seq))] = msg
         self._event.set()
 
     def pop_ready(self) -> list[shard_pb2.ShardMessage]:

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from bigfleet.shard.daemon import ShardDaemon
 
 S = provider_pb2.MachineState
-BOUND = (S.MACHINE_STATE_CONFIGURING, S.MACHINE_STATE_CONFIGURED, S.MACHINE_STATE_DRAINING)
 
 
 class ShardReadServicer(shardread_pb2_grpc.ShardReadServicer):

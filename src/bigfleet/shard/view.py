@@ -88,7 +88,7 @@ class MachineView:
         self._pb: dict[str, bytes] = {}  # serialized (deterministic) provider records, see module doc
         # The provider's newest record of a machine the view does not show as such: one the
         # executor owns (in flight), one failed locally, or one whose record was rejected. For any
-        # other machine the view's own record is the provider's latest (see ``latest``).
+        # other machine the view's own record is the provider's latest.
         self.provider_latest: dict[str, provider_pb2.Machine] = {}
         self.inflight: dict[str, str] = {}
         self.failed_local: set[str] = set()
@@ -126,10 +126,6 @@ class MachineView:
         raw = self._pb.get(machine_id)
         return provider_pb2.Machine.FromString(raw) if raw is not None else None
 
-    def latest(self, machine_id: str) -> provider_pb2.Machine | None:
-        """The provider's newest record of the machine that the view knows of."""
-        return self.provider_latest.get(machine_id) or self.get(machine_id)
-
     def shows(self, pb: provider_pb2.Machine) -> bool:
         """True if the view's record of ``pb.id`` is exactly ``pb``."""
         return self._pb.get(pb.id) == pb.SerializeToString(deterministic=True)
@@ -144,11 +140,11 @@ class MachineView:
 
     def set(self, pb: provider_pb2.Machine, *, force: bool = False) -> bool:
         """Install ``pb`` as the shard's record; False if validation rejected it (the old one stays)."""
+        if pb.id in self.failed_local and not force:
+            return True
         raw = pb.SerializeToString(deterministic=True)
         old_raw = self._pb.get(pb.id)
         if old_raw is not None and old_raw == raw:
-            return True
-        if pb.id in self.failed_local and not force:
             return True
         now = self._wall_ns()
         try:
@@ -209,11 +205,13 @@ class MachineView:
         self.provider_latest.pop(machine_id, None)
 
     def mark_failed(self, machine_id: str, error: str) -> None:
-        pb = self.get(machine_id) or self.provider_latest.get(machine_id)
+        pb = self.get(machine_id)  # (a fresh message)
         if pb is None:
-            return
-        if pb is self.provider_latest.get(machine_id):
-            pb = provider_pb2.Machine.FromString(pb.SerializeToString())
+            latest = self.provider_latest.get(machine_id)
+            if latest is None:
+                return
+            pb = provider_pb2.Machine()
+            pb.CopyFrom(latest)
         pb.state = S.MACHINE_STATE_FAILED
         pb.last_error = error
         self.failed_local.discard(machine_id)
