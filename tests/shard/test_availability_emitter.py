@@ -34,3 +34,16 @@ def test_a_change_inside_the_interval_is_deferred_not_lost() -> None:
     assert e.due("c", "fp", hint(10), now=0.0)
     assert not e.due("c", "fp", hint(5), now=1.0)
     assert e.due("c", "fp", hint(5), now=5.5)
+
+
+def test_forgetting_a_cluster_makes_its_hints_due_again_and_leaves_others() -> None:
+    e = AvailabilityEmitter(5.0)
+    for c in ("a", "b"):
+        assert e.due(c, "fp1", hint(10), now=0.0)
+        assert e.due(c, "fp2", hint(10), now=0.0)
+    e.forget_cluster("a")  # its session ended: a new session gets every hint afresh
+    e.forget_cluster("never-seen")
+    assert e.due("a", "fp1", hint(10), now=1.0)
+    assert e.due("a", "fp2", hint(10), now=1.0)
+    assert not e.due("b", "fp1", hint(10), now=1.0)
+    assert not e.due("b", "fp2", hint(10), now=1.0)

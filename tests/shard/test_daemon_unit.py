@@ -288,3 +288,34 @@ async def test_capacity_hints_are_sent_at_the_configured_rate() -> None:
     finally:
         sender.cancel()
         await d.stop(drain_timeout=0.1)
+
+
+async def test_heap_is_settled_between_cycles_and_handed_back_periodically() -> None:
+    """Survivors are frozen every ``heap_settle_interval`` even when no cycle runs (young
+    collections stay small); the periodic unfreeze still collects reference cycles."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    cfg = DaemonConfig(shard_id="s1", provider=f"127.0.0.1:{free_port()}", epoch=3, heap_settle_interval=0.02)
+    d = ShardDaemon(cfg, ShardMetrics(new_registry()))
+    assert d._worker is not None  # worker mode: the settle loop applies
+    gc.unfreeze()
+    task = asyncio.create_task(d._settle_heap_loop())
+    try:
+        a, b = Node(), Node()
+        a.other, b.other = b, a  # type: ignore[attr-defined]
+        gone = weakref.ref(a)
+        del a, b  # garbage, but only the collector can free a cycle
+        frozen_before = gc.get_freeze_count()
+        await until(lambda: gc.get_freeze_count() > frozen_before, 5.0)
+        gc.collect()
+        assert gone() is not None  # frozen: out of the collector's sight
+        d._last_unfreeze -= d.UNFREEZE_EVERY  # the periodic hand-back is due
+        await until(lambda: gone() is None, 5.0)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await d.stop(drain_timeout=0.2)

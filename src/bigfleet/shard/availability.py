@@ -129,7 +129,9 @@ class AvailabilityEmitter:
     def __init__(self, interval_seconds: float = 5.0, min_relative_change: float = 0.02) -> None:
         self.interval = interval_seconds
         self.min_relative_change = min_relative_change
-        self._last: dict[tuple[str, str], tuple[tuple[int, int, float], float]] = {}
+        # cluster -> fingerprint -> (signature, sent at): nested so that forgetting a cluster (a
+        # session ending) costs that cluster's needs, not a scan of every need the shard holds
+        self._last: dict[str, dict[str, tuple[tuple[int, int, float], float]]] = {}
 
     def _same(self, old: tuple[int, int, float], new: tuple[int, int, float]) -> bool:
         if old[1:] != new[1:]:
@@ -137,20 +139,21 @@ class AvailabilityEmitter:
         return abs(new[0] - old[0]) < max(1.0, self.min_relative_change * old[0])
 
     def due(self, cluster_id: str, fingerprint: str, a: Availability, now: float) -> bool:
-        key = (cluster_id, fingerprint)
         sig = (a.count, a.confidence, a.cost)
-        prev = self._last.get(key)
+        last = self._last.get(cluster_id)
+        if last is None:
+            last = self._last[cluster_id] = {}
+        prev = last.get(fingerprint)
         if prev is not None:
             if self._same(prev[0], sig):
                 return False
             if now - prev[1] < self.interval:
                 return False  # held back, not lost: the daemon walks every need once per interval
-        self._last[key] = (sig, now)
+        last[fingerprint] = (sig, now)
         return True
 
     def forget_cluster(self, cluster_id: str) -> None:
-        for k in [k for k in self._last if k[0] == cluster_id]:
-            del self._last[k]
+        self._last.pop(cluster_id, None)
 
 
 class HintQueue:

@@ -71,11 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
 # Operators keep one stream open for days and send keepalive pings (every 20 s with the shared
 # channel options). gRPC servers by default allow a ping without data only every 5 minutes and
 # answer more with GOAWAY "too_many_pings", which would drop every idle session.
+# The pending-request limits: gRPC's core parks calls the application has not picked up yet and
+# cancels them beyond 1 000 parked (3 000 hard). A Python server picks them up one at a time, so
+# when thousands of operators reconnect at once (a shard restart) about a quarter of the streams
+# were cancelled and retried (tests/shard/test_session_burst.py).
 SESSION_SERVER_OPTIONS = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_ping_strikes", 0),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.max_concurrent_streams", 100_000),
+    ("grpc.server.max_pending_requests", 20_000),
+    ("grpc.server.max_pending_requests_hard_limit", 40_000),
 ]
 
 

@@ -30,7 +30,7 @@ class ShardSettings(BaseSettings):
     reconcile_interval: float = Field(1.0, ge=0)
     full_reconcile_every: int = Field(300, ge=1)  # a full List at 500k machines is ~100 MB
     available_capacity_interval: float = Field(5.0, ge=0)
-    available_capacity_rate: float = Field(5000.0, ge=0)  # hint frames per second, shard-wide; 0 = unpaced
+    available_capacity_rate: float = Field(1000.0, ge=0)  # hint frames per second, shard-wide; 0 = unpaced
     reclaim_cap_fraction: float = Field(0.05, ge=0, le=1)
     # Idle elastic machines are released (Delete) after this long; 0 or less: never.
     on_demand_hold_seconds: int = 600

@@ -53,11 +53,13 @@ class DaemonConfig:
     epoch: int
     cycle_interval: float = 10.0
     min_cycle_gap: float = 0.2
+    #: seconds between heap settles (`ShardDaemon._settle_heap_loop`); 0 = only after cycles
+    heap_settle_interval: float = 1.0
     reconcile_interval: float = 1.0
     full_reconcile_every: int = 300
     available_capacity_interval: float = 5.0
     # AvailableCapacityUpdate frames written per second, shard-wide (0: as soon as decided).
-    available_capacity_rate: float = 5000.0
+    available_capacity_rate: float = 1000.0
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
@@ -403,6 +405,17 @@ class ShardDaemon:
             gc.collect()
         gc.freeze()
 
+    async def _settle_heap_loop(self) -> None:
+        """Settle the heap between cycles too. The collector starts a young collection when
+        allocations minus deallocations pass its threshold, and every object freed from an older
+        generation counts as a deallocation: at 500 roll-ups/s each new roll-up's needs replace
+        old, frozen ones, so the count barely moves while the young list grows by ~25 000
+        survivors a second. Left alone, the young collection comes after 3-6 s over ~100 000
+        objects: a 40-60 ms pause for every session. Settled every second, it stays a few ms."""
+        while True:
+            await asyncio.sleep(self.config.heap_settle_interval)
+            self._settle_heap()
+
     def _gc_watch(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._gc_started = time.perf_counter()
@@ -635,6 +648,8 @@ class ShardDaemon:
             self._tasks.append(asyncio.create_task(self._watch_loop_lag(), name="shard-loop-lag"))
         if self._hints_paced:
             self._tasks.append(asyncio.create_task(self._send_hints(), name="shard-hints"))
+        if self._worker is not None and self.config.heap_settle_interval > 0:
+            self._tasks.append(asyncio.create_task(self._settle_heap_loop(), name="shard-heap"))
 
     async def _watch_loop_lag(self) -> None:
         """Sessions are served by this loop; a stall here is latency for every operator."""
