@@ -104,18 +104,18 @@ async def test_reclaim_waits_for_first_rollup_and_dedupes(daemon: ShardDaemon) -
     daemon.view.set(machine("m1", S.MACHINE_STATE_CONFIGURED, "c1"))
     d = Decision(actions=(Drain("m1", "c1", 600, 0, "reclaim"),), shortfalls=(), verdicts=(), stats=PhaseStats(),
                  state=EngineState())
-    daemon._execute(d)
+    await daemon._execute(d)
     assert "m1" not in daemon.view.inflight  # gated: c1 has not spoken since start
     assert daemon.view.get("m1").state == S.MACHINE_STATE_CONFIGURED  # type: ignore[union-attr]
     daemon.store.mark_first_rollup("c1")
-    daemon._execute(d)
+    await daemon._execute(d)
     assert daemon.view.inflight.get("m1") == "Reclaim"
     assert daemon.view.get("m1").state == S.MACHINE_STATE_DRAINING  # type: ignore[union-attr]
-    daemon._execute(d)  # same machine again: deduped, not a second drain
+    await daemon._execute(d)  # same machine again: deduped, not a second drain
     assert daemon.metrics.actions_deduped._value.get() == 1
     # A preempt is never gated (the preemptor's demand is live).
     daemon.view.set(machine("m2", S.MACHINE_STATE_CONFIGURED, "c9"))
-    daemon._execute(Decision(actions=(Drain("m2", "c9", 10, 1_000_000, "preempt"),), shortfalls=(), verdicts=(),
+    await daemon._execute(Decision(actions=(Drain("m2", "c9", 10, 1_000_000, "preempt"),), shortfalls=(), verdicts=(),
                              stats=PhaseStats(), state=EngineState()))
     assert daemon.view.inflight.get("m2") == "Preempt"
 
@@ -135,15 +135,46 @@ async def test_one_create_is_held_back_per_orphan_create(daemon: ShardDaemon) ->
         daemon.view.set(machine(f"spec{i}", S.MACHINE_STATE_SPECULATIVE))
     creates = tuple(Create(f"spec{i}", "c1", "fp", 100) for i in range(5))
     d = Decision(actions=creates, shortfalls=(), verdicts=(), stats=PhaseStats(), state=EngineState())
-    daemon._execute(d)
+    await daemon._execute(d)
     assert submitted == ["spec2", "spec3", "spec4"]
     assert daemon.metrics.action_outcomes.labels("Provision", "deferred_orphan_create")._value.get() == 2
     # an orphan the provider has finished creating no longer holds anything back
     for i in range(2):
         daemon.view.set(machine(f"orphan{i}", S.MACHINE_STATE_IDLE))
     submitted.clear()
-    daemon._execute(d)
+    await daemon._execute(d)
     assert submitted == [f"spec{i}" for i in range(5)]
+
+
+async def test_a_large_decision_is_dispatched_in_chunks_with_the_loop_running_between(daemon: ShardDaemon) -> None:
+    """Thousands of actions must not hold the session loop for the whole dispatch; every action is
+    still claimed exactly once, and a cluster frozen by a handoff mid-dispatch gets no more."""
+    from bigfleet.decision import Create
+
+    n = 5 * daemon.EXECUTE_CHUNK
+    submitted: list[str] = []
+    daemon.executor.submit_create = lambda mid, binding: submitted.append(mid)  # type: ignore[method-assign]
+    for i in range(n):
+        daemon.view.set(machine(f"spec{i:04d}", S.MACHINE_STATE_SPECULATIVE))
+    creates = tuple(Create(f"spec{i:04d}", "c1" if i < n // 2 else "c2", "fp", 100) for i in range(n))
+    d = Decision(actions=creates, shortfalls=(), verdicts=(), stats=PhaseStats(), state=EngineState())
+    seen_between: list[int] = []
+
+    async def other_session_work() -> None:
+        while len(submitted) < n:
+            seen_between.append(len(submitted))
+            if len(submitted) >= n // 2:
+                daemon.frozen_clusters.add("c2")  # a handoff of c2 begins mid-dispatch
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(other_session_work())
+    await daemon._execute(d)
+    other.cancel()
+    assert any(0 < k < n // 2 for k in seen_between), seen_between  # the loop ran during the dispatch
+    k = len(submitted)  # in order, each once, and nothing of c2 after the freeze was seen
+    assert submitted == [f"spec{i:04d}" for i in range(k)]
+    assert n // 2 <= k <= n // 2 + daemon.EXECUTE_CHUNK
+    assert daemon.metrics.action_outcomes.labels("Create", "frozen_handoff")._value.get() == n - k
 
 
 async def test_failed_transition_ends_failed_with_error(daemon: ShardDaemon) -> None:
