@@ -23,6 +23,7 @@ from bigfleet.needs import rollup_from_proto
 from bigfleet.shard.engineproc import EngineWorker, MirrorFeed, read_frame, write_frame
 from bigfleet.shard.store import LocalDemandStore
 from bigfleet.shard.view import MachineView
+from bigfleet.testing.procstat import proc_rss_mb
 from bigfleet.v1alpha1 import capacity_pb2, provider_pb2
 
 S = provider_pb2.MachineState
@@ -53,17 +54,6 @@ def rollup(cluster: int, rng: random.Random) -> capacity_pb2.ClusterCapacityNeed
             aggregate_resources={"cpu": str(cpu * rng.randint(1, 8))}, min_unit={"cpu": str(cpu)},
             priority=100 + j))
     return capacity_pb2.ClusterCapacityNeeds(cluster_id=f"c{cluster:05d}", needs=needs)
-
-
-def rss_mb(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
 
 
 def cycle(worker: EngineWorker, feed: MirrorFeed, view: MachineView, store: LocalDemandStore, cfg: EngineConfig,
@@ -135,14 +125,14 @@ def main(argv: list[str]) -> int:
                 _, needs = rollup_from_proto(rollup(c, rng), now)
                 store.apply_rollup(f"c{c:05d}", needs, now)
             rows.append(("100 machines + 50 clusters changed", cycle(worker, feed, view, store, cfg, now)))
-        worker_rss = rss_mb(worker.pid or 0)
+        worker_rss = proc_rss_mb(worker.pid or 0)
     finally:
         proc = worker.proc
         if proc is not None and proc.stdin is not None:
             proc.stdin.close()
             proc.wait(10)
     print(f"machines={args.machines} clusters={args.clusters} needs={len(store.table)} (dry-run engine config); "
-          f"RSS: this process (view + store) {rss_mb(os.getpid()):.0f} MB, worker {worker_rss:.0f} MB")
+          f"RSS: this process (view + store) {proc_rss_mb(os.getpid()):.0f} MB, worker {worker_rss:.0f} MB")
     cols = ["req_kb", "reply_kb", "build_ms", "pickle_ms", "unpickle_ms", "roundtrip_ms", "engine_ms", "upserts",
             "clusters", "actions"]
     print("| cycle | " + " | ".join(cols) + " |")

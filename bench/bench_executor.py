@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import os
 import pstats
 import time
 from typing import Any
@@ -24,14 +23,7 @@ from bigfleet.shard.provider_client import ProviderClient
 from bigfleet.shard.sessions import BootstrapResult, SessionRegistry
 from bigfleet.shard.view import MachineView
 from bigfleet.testing import ManagedProcess, free_port, wait_for_health
-
-CLK = os.sysconf("SC_CLK_TCK")
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        parts = f.read().rsplit(")", 1)[1].split()
-    return (int(parts[11]) + int(parts[12])) / CLK
+from bigfleet.testing.procstat import proc_cpu_seconds
 
 
 class _Session:

@@ -24,24 +24,8 @@ import grpc
 
 from bigfleet.rpc import insecure_channel
 from bigfleet.testing import ManagedProcess, free_port, wait_for_health, wait_until
+from bigfleet.testing.procstat import proc_cpu_seconds, proc_rss_mb
 from bigfleet.v1alpha1 import capacity_pb2, shard_pb2, shard_pb2_grpc
-
-CLK = os.sysconf("SC_CLK_TCK")
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        parts = f.read().rsplit(")", 1)[1].split()
-    return (int(parts[11]) + int(parts[12])) / CLK
-
-
-def proc_rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
 
 ZONES = ("us-east-1a", "us-east-1b", "us-east-1c", "us-central1-a", "us-central1-b")
 

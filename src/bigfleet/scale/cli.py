@@ -32,53 +32,9 @@ from bigfleet.scale import stats
 from bigfleet.scale.loadgen import Job
 from bigfleet.scale.workloads import SHAPES
 from bigfleet.testing import ManagedProcess, free_port, wait_for_health, wait_until
+from bigfleet.testing.procstat import proc_cpu_seconds, tree_cpu_seconds, tree_rss_mb
 
-CLK = os.sysconf("SC_CLK_TCK")
 BIND_KINDS = ("Configure", "Create")
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        parts = f.read().rsplit(")", 1)[1].split()
-    return (int(parts[11]) + int(parts[12])) / CLK
-
-
-def proc_rss_mb(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
-def proc_children(pid: int) -> list[int]:
-    """Direct children (e.g. the shard's engine worker process)."""
-    out: list[int] = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out.extend(int(x) for x in f.read().split())
-    except OSError:
-        pass
-    return out
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU of the process and its live children (a worker process's CPU counts for the shard)."""
-    total = 0.0
-    for p in (pid, *proc_children(pid)):
-        try:
-            total += proc_cpu_seconds(p)
-        except OSError:
-            pass
-    return total
-
-
-def tree_rss_mb(pid: int) -> float:
-    return sum(proc_rss_mb(p) for p in (pid, *proc_children(pid)))
 
 
 def build_parser() -> argparse.ArgumentParser:
