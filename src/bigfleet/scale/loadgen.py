@@ -60,6 +60,7 @@ class Stats:
     reclaims: int = 0
     reconnects: int = 0
     open_retries: int = 0
+    open_errors: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     per_shard: dict[str, int] = field(default_factory=dict)
 
@@ -99,6 +100,9 @@ class Operator:
                 if not self.ever_ready:
                     # the stream never reached the shard (client-side CANCELLED under an opening burst)
                     self.stats.open_retries += 1
+                    if len(self.stats.open_errors) < 5:
+                        self.stats.open_errors.append(f"{exc.code().name}: {exc.details()}"[:200]
+                                                      if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)[:200])
                     await asyncio.sleep(0.5 + self.rnd.random())
                     continue
                 if len(self.stats.errors) < 20:
@@ -252,7 +256,7 @@ async def run(job: Job) -> dict[str, Any]:
         "sessions": len(ops), "open_seconds": open_s, "lookup_seconds": lookup_s,
         "ack": stats.ack, "first_bind": stats.first_bind, "sent": stats.sent, "acked": stats.acked,
         "node_updates": stats.node_updates, "bootstraps": stats.bootstraps, "reclaims": stats.reclaims,
-        "reconnects": stats.reconnects, "open_retries": stats.open_retries, "errors": stats.errors, "per_shard": stats.per_shard,
+        "reconnects": stats.reconnects, "open_retries": stats.open_retries, "open_errors": stats.open_errors, "errors": stats.errors, "per_shard": stats.per_shard,
     }
 
 
