@@ -233,9 +233,9 @@ def test_loop_flags_overprovisioning_when_reclaims_are_dropped(monkeypatch: pyte
 
     real = ShardDaemon._execute
 
-    def no_reclaims(self: ShardDaemon, decision: Decision) -> None:
+    async def no_reclaims(self: ShardDaemon, decision: Decision) -> None:
         kept = tuple(a for a in decision.actions if not (isinstance(a, Drain) and a.reason == "reclaim"))
-        real(self, replace(decision, actions=kept))
+        await real(self, replace(decision, actions=kept))
 
     monkeypatch.setattr(ShardDaemon, "_execute", no_reclaims)
     res = Simulator(builtin("withdrawal"), settle_cycles=SETTLE).run()
