@@ -16,6 +16,7 @@ import gc
 import os
 import random
 import statistics
+import subprocess
 import tempfile
 import time
 import urllib.request
@@ -24,7 +25,7 @@ import grpc
 
 from bigfleet.rpc import insecure_channel
 from bigfleet.testing import ManagedProcess, free_port, wait_for_health, wait_until
-from bigfleet.testing.procstat import proc_cpu_seconds, proc_rss_mb
+from bigfleet.testing.procstat import proc_children, proc_cpu_seconds, proc_rss_mb
 from bigfleet.v1alpha1 import capacity_pb2, shard_pb2, shard_pb2_grpc
 
 ZONES = ("us-east-1a", "us-east-1b", "us-east-1c", "us-central1-a", "us-central1-b")
@@ -274,6 +275,19 @@ async def drive(args: argparse.Namespace, shard_addr: str, pid: int, metrics_url
     }
 
 
+def pin_shard(shard_pid: int, provider_pid: int) -> None:
+    """Give the shard process (every thread) CPU 0 and everything else -- its engine worker, the
+    fake provider, this load generator -- the other CPUs: on a 2-core box this stands in for the
+    provider and the operators living on other machines, as they do in production."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--pin-shard needs at least 2 CPUs")
+    rest = ",".join(str(c) for c in cpus[1:])
+    subprocess.run(["taskset", "-a", "-cp", str(cpus[0]), str(shard_pid)], check=True, stdout=subprocess.DEVNULL)
+    for pid in [*proc_children(shard_pid), provider_pid, os.getpid()]:
+        subprocess.run(["taskset", "-a", "-cp", rest, str(pid)], check=True, stdout=subprocess.DEVNULL)
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="bench_shard")
     p.add_argument("--sessions", type=int, default=int(os.environ.get("BENCH_SHARD_SESSIONS", "5000")))
@@ -287,6 +301,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--actuate", action="store_true", help="execute actions (default: --dry-run, cycles still run)")
     p.add_argument("--cycle-interval", type=float, default=10.0)
     p.add_argument("--shard-arg", action="append", default=[], help="extra flag for the shard (repeatable)")
+    p.add_argument("--pin-shard", action="store_true",
+                   help="shard on CPU 0, its worker, the provider and the load generator on the others (taskset)")
     args = p.parse_args(argv)
     gc.set_threshold(20_000, 20, 1_000)  # the shard's own settings (bigfleet.shard.cli.GC_THRESHOLDS)
 
@@ -308,6 +324,8 @@ def main(argv: list[str]) -> int:
         try:
             wait_for_health(saddr, 60)
             wait_until(lambda: urllib.request.urlopen(f"http://{maddr}/metrics", timeout=2).read(), 30, what="metrics")
+            if args.pin_shard:
+                pin_shard(shard.pid, prov.pid)
             res = asyncio.run(drive(args, saddr, shard.pid, f"http://{maddr}/metrics"))
         finally:
             shard.stop()
@@ -316,7 +334,8 @@ def main(argv: list[str]) -> int:
     print("| metric | value |\n|---|---|")
     for k, v in res.items():
         print(f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |")
-    print(f"\n(mode: {'actuate' if args.actuate else 'dry-run'}, change fraction {args.change_fraction}, "
+    print(f"\n(mode: {'actuate' if args.actuate else 'dry-run'}{', shard pinned to CPU 0' if args.pin_shard else ''}, "
+          f"change fraction {args.change_fraction}, "
           f"machines {args.machines}+{args.committed}, "
           f"interval {args.interval}s, duration {args.duration}s, logs {logdir})")
     return 0
