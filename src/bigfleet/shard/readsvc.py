@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from bigfleet.needs import need_to_proto, requirement_to_proto
-from bigfleet.shard.engineproc import row_age
+from bigfleet.shard.engineproc import row_age, row_resources
 from bigfleet.v1alpha1 import coordinator_pb2, provider_pb2, shardread_pb2, shardread_pb2_grpc
 
 if TYPE_CHECKING:
@@ -51,29 +51,7 @@ class ShardReadServicer(shardread_pb2_grpc.ShardReadServicer):
             if row is not None:
                 _fill_from_row(view, row, rec.decision.state.cycle if rec.decision is not None else 0)
             if v is not None:
-                view.satisfied = v.satisfied
-                view.claimed_machine_count = v.claimed_count
-                view.bootstrap_count = v.bootstrap_count
-                view.provision_count = v.provision_count
-                view.same_domain = v.same_domain
-                view.same_satisfiable = v.same_satisfiable
-                view.acquisition_parked = v.parked
-                view.parked_age_cycles = v.parked_age_cycles
-                view.age_cycles_unmet = v.age_cycles_unmet
-                reason = int(v.unmet_reason)
-                view.unmet_reason = reason if reason <= 4 else 0  # type: ignore[assignment]
-                if not v.satisfied:
-                    view.residual_deficit.resources.update(v.deficit.to_wire())
-                    ms = v.matching_supply
-                    view.matching_supply.CopyFrom(
-                        shardread_pb2.MatchingSupply(
-                            idle=ms.idle, configured=ms.configured, speculative=ms.speculative, capped=ms.capped
-                        )
-                    )
-                    if reason == 4:
-                        view.preemption.victims_found = v.victims_found
-                        if v.capacity_freed is not None:
-                            view.preemption.capacity_freed.resources.update(v.capacity_freed.to_wire())
+                _fill_from_verdict(view, v)
             yield shardread_pb2.InspectNeedsResponse(need=view)
 
     async def GetInventoryCounts(
@@ -100,6 +78,31 @@ class ShardReadServicer(shardread_pb2_grpc.ShardReadServicer):
         return shardread_pb2.ListShortfallsResponse(cycle=rec.cycle, shortfalls=out)
 
 
+def _fill_from_verdict(view: shardread_pb2.NeedView, v: Any) -> None:
+    """A need's view from its `Verdict` (thread and inline modes)."""
+    view.satisfied = v.satisfied
+    view.claimed_machine_count = v.claimed_count
+    view.bootstrap_count = v.bootstrap_count
+    view.provision_count = v.provision_count
+    view.same_domain = v.same_domain
+    view.same_satisfiable = v.same_satisfiable
+    view.acquisition_parked = v.parked
+    view.parked_age_cycles = v.parked_age_cycles
+    view.age_cycles_unmet = v.age_cycles_unmet
+    reason = int(v.unmet_reason)
+    view.unmet_reason = reason if reason <= 4 else 0  # type: ignore[assignment]
+    if not v.satisfied:
+        view.residual_deficit.resources.update(v.deficit.to_wire())
+        ms = v.matching_supply
+        view.matching_supply.CopyFrom(
+            shardread_pb2.MatchingSupply(idle=ms.idle, configured=ms.configured, speculative=ms.speculative, capped=ms.capped)
+        )
+        if reason == 4:
+            view.preemption.victims_found = v.victims_found
+            if v.capacity_freed is not None:
+                view.preemption.capacity_freed.resources.update(v.capacity_freed.to_wire())
+
+
 def _fill_from_row(view: shardread_pb2.NeedView, row: tuple[Any, ...], cycle: int) -> None:
     """The worker/fork-mode twin of the Verdict branch above (row layout: engineproc.verdict_row)."""
     (satisfied, claimed, boot, prov, domain, same_sat, parked, parked_since, unmet_since, reason, deficit,
@@ -117,13 +120,13 @@ def _fill_from_row(view: shardread_pb2.NeedView, row: tuple[Any, ...], cycle: in
     r = int(reason)
     view.unmet_reason = r if r <= 4 else 0  # type: ignore[assignment]
     if not satisfied:
-        view.residual_deficit.resources.update(dict(deficit))
+        view.residual_deficit.resources.update(row_resources(deficit))
         idle, configured, spec, capped = ms
         view.matching_supply.CopyFrom(shardread_pb2.MatchingSupply(
             idle=idle, configured=configured, speculative=spec, capped=capped))
         if r == 4:
             view.preemption.victims_found = int(victims)
-            view.preemption.capacity_freed.resources.update(dict(freed))
+            view.preemption.capacity_freed.resources.update(row_resources(freed))
 
 
 def shortfalls_to_proto(shortfalls: object) -> list[coordinator_pb2.Shortfall]:
