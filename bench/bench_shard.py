@@ -24,6 +24,7 @@ import urllib.request
 import grpc
 
 from bigfleet.rpc import insecure_channel
+from bigfleet.shard.cli import GC_THRESHOLDS
 from bigfleet.testing import ManagedProcess, free_port, wait_for_health, wait_until
 from bigfleet.testing.procstat import proc_children, proc_cpu_seconds, proc_rss_mb
 from bigfleet.v1alpha1 import capacity_pb2, shard_pb2, shard_pb2_grpc
@@ -304,7 +305,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--pin-shard", action="store_true",
                    help="shard on CPU 0, its worker, the provider and the load generator on the others (taskset)")
     args = p.parse_args(argv)
-    gc.set_threshold(20_000, 20, 1_000)  # the shard's own settings (bigfleet.shard.cli.GC_THRESHOLDS)
+    gc.set_threshold(*GC_THRESHOLDS)  # the shard's own settings
 
     logdir = tempfile.mkdtemp(prefix="bench-shard-")
     paddr = f"127.0.0.1:{free_port()}"

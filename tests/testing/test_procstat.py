@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
+from bigfleet.testing import wait_until
 from bigfleet.testing.procstat import (
     proc_children,
     proc_cpu_seconds,
@@ -22,10 +22,7 @@ def test_reads_this_process_and_counts_a_child_in_the_tree() -> None:
     assert proc_cpu_seconds(me) > 0
     child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(64 << 20); time.sleep(30)"])
     try:
-        for _ in range(200):
-            if proc_rss_mb(child.pid) > 64:
-                break
-            time.sleep(0.05)
+        wait_until(lambda: proc_rss_mb(child.pid) > 64, 10, what="the child's 64 MiB resident")
         assert child.pid in proc_children(me)
         assert tree_rss_mb(me) >= proc_rss_mb(me) + 64
         assert tree_cpu_seconds(me) >= proc_cpu_seconds(me)

@@ -119,9 +119,9 @@ def main(argv: list[str]) -> int:
     sys.setswitchinterval(settings.gil_switch_interval)
     # The collector's defaults (700, 10, 10) make a shard with thousands of sessions run ~80 young
     # and several full collections a second, each a pause for every session on the loop (measured
-    # at 5 000 sessions: up to 128 ms in every generation). Survivors are frozen after each cycle
-    # (daemon._settle_heap) and unfrozen for one full collection every 10 minutes, so rarer, larger
-    # young collections and a full one only every 1 000 middle ones lose nothing but pauses.
+    # at 5 000 sessions: up to 128 ms in every generation). Survivors are frozen every second and
+    # after each cycle (daemon._settle_heap) and unfrozen for one full collection every 10 minutes,
+    # so young collections stay small and a full one comes only every 1 000 middle ones.
     gc.set_threshold(*GC_THRESHOLDS)
     try:
         return asyncio.run(serve(settings, tls))

@@ -73,7 +73,4 @@ class HAState:
 
     def carried(self) -> EngineState:
         """The engine state a new leader starts from, with every cluster that spoke marked."""
-        st = self.engine
-        for c in sorted(self.first_rollup - set(st.first_rollup)):
-            st = st.with_first_rollup(c)
-        return st
+        return self.engine.with_first_rollups(self.first_rollup - self.engine.first_rollup)
