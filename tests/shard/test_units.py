@@ -1,29 +1,14 @@
-"""Pure pieces of the shard: epoch file, outbox coalescing, empty-roll-up guard."""
+"""Pure pieces of the shard: outbox coalescing, empty-roll-up guard."""
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 
-from bigfleet.shard.epoch import EpochError, bump_epoch
 from bigfleet.shard.guard import EmptyRollupGuard, GuardConfig
 from bigfleet.shard.outbox import Outbox, OutboxOverflow
 from bigfleet.v1alpha1 import shard_pb2
-
-
-def test_epoch_starts_at_one_and_increments(tmp_path: Path) -> None:
-    assert bump_epoch(tmp_path) == 1
-    assert bump_epoch(tmp_path) == 2
-    assert (tmp_path / "epoch").read_text().strip() == "2"
-
-
-def test_epoch_corrupt_file_is_fatal(tmp_path: Path) -> None:
-    (tmp_path / "epoch").write_text("not-a-number\n")
-    with pytest.raises(EpochError):
-        bump_epoch(tmp_path)
-    assert (tmp_path / "epoch").read_text() == "not-a-number\n"
 
 
 def _node(mid: str, state: int) -> shard_pb2.ShardMessage:

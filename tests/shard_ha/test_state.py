@@ -7,9 +7,10 @@ import pickle
 from pathlib import Path
 
 from bigfleet.decision.types import EngineState
-from bigfleet.shard.ha.controller import read_epoch, restore_store, store_epoch
+from bigfleet.shard.ha.controller import read_epoch, store_epoch
+from bigfleet.shard.ha.node import LocalLog
 from bigfleet.shard.ha.state import HAState
-from bigfleet.shard.store import LocalDemandStore
+from bigfleet.shard.store import ReplicatedStore
 from bigfleet.v1alpha1 import capacity_pb2
 
 from .group import need
@@ -72,8 +73,8 @@ async def test_restore_builds_the_leaders_table_and_gate() -> None:
     s.replace("c1", _rollup("c1", "1", "2"), 100, e)
     s.replace("c2", _rollup("c2", "4"), 200, e)
     s.save_engine(EngineState(cycle=7, unmet_ages={"c1/x": 3}), 1, e)
-    store = LocalDemandStore()
-    assert restore_store(store, s) == 2
+    store = ReplicatedStore(LocalLog(s), e)
+    assert store.restore(s) == 2
     assert len(store.table.cluster("c1")) == 2 and len(store.table.cluster("c2")) == 1
     assert store.has_rolled_up("c1") and store.has_rolled_up("c2")
     assert store.engine_state().cycle == 7 and store.engine_state().unmet_ages == {"c1/x": 3}
@@ -94,3 +95,24 @@ def test_epoch_file_only_moves_forward(tmp_path: Path) -> None:
     assert read_epoch(p) == 5
     p.write_text("garbage")
     assert read_epoch(p) == 0
+
+
+def test_ledger_and_actuation_are_replicated_epoch_guarded_and_survive_a_snapshot() -> None:
+    s = HAState()
+    e = s.claim(1, "a", "A")
+    s.replace("c1", _rollup("c1", "1"), 1, e)
+    assert s.release_cluster("c1", ("m2", "m1"), "B", "b:1", e) == ("m1", "m2")
+    assert "c1" not in s.rollups and "c1" not in s.first_rollup  # its demand left with it
+    assert s.release_machines(("m5",), "transfer:t1", e) == ("m5",)
+    assert s.adopt(("m9",), "", e)
+    assert s.set_actuation(True, False, e)
+    e2 = s.claim(2, "b", "B")  # a new leader: the old epoch can no longer write
+    assert s.set_actuation(False, False, e) is False and s.actuation is not None and s.actuation.paused
+    assert s.release_machines(("m6",), "transfer:t2", e) is None and "m6" not in s.ledger.released
+    assert not s.adopt(("m7",), "", e)
+    t = pickle.loads(pickle.dumps(s))  # what a snapshot install hands a follower
+    assert t == s and t.ledger.released == {"m1": "c1", "m2": "c1", "m5": "transfer:t1"}
+    assert t.actuation is not None and t.actuation.paused and t.epoch == e2
+    copy = s.copy()
+    copy.ledger.released.clear()
+    assert s.ledger.released  # a leader's copy never aliases the live ledger

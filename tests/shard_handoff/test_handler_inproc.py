@@ -17,7 +17,9 @@ from shard.spy import SpyProvider, spy_provider, until
 from bigfleet.observability import new_registry
 from bigfleet.shard.cli import build_server
 from bigfleet.shard.daemon import DaemonConfig, ShardDaemon
-from bigfleet.shard.handoff import LEDGER_FILE, ShardHandoff, load_ledger
+from bigfleet.shard.ha.node import LocalLog
+from bigfleet.shard.ha.state import HAState, ReleasedCluster
+from bigfleet.shard.handoff import ShardHandoff
 from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.v1alpha1 import coordinator_pb2 as cpb
 from bigfleet.v1alpha1 import provider_pb2, shard_pb2_grpc
@@ -33,8 +35,9 @@ async def running(tmp_path: Path) -> AsyncIterator[tuple[ShardDaemon, ShardHando
         async with spy_provider(paddr) as (spy, spy_addr):
             cfg = DaemonConfig(shard_id="A", provider=spy_addr, epoch=1, cycle_interval=0.2, min_cycle_gap=0.05,
                                reconcile_interval=0.2)
-            daemon = ShardDaemon(cfg, ShardMetrics(new_registry()))
-            handoff = ShardHandoff(daemon, tmp_path)
+            log = LocalLog(HAState(epoch=1))
+            daemon = ShardDaemon(cfg, ShardMetrics(new_registry()), log=log)
+            handoff = daemon.handoff
             server, _ = build_server()
             shard_pb2_grpc.add_ShardServicer_to_server(daemon.servicer, server)
             port = server.add_insecure_port("127.0.0.1:0")
@@ -72,7 +75,9 @@ async def test_release_redirects_refuses_and_adopts_back(tmp_path: Path) -> None
             assert await trailer(op, "bigfleet-redirect") == "10.0.0.2:7780"
         assert await handoff.release_cluster(msg) == ids  # redelivery: same answer, nothing redone
         assert all(daemon.view.get(i) is None for i in ids)
-        assert load_ledger(tmp_path / LEDGER_FILE, "A", "exclusive").released_clusters["c2"]["machines"] == ids
+        # committed to the shard's replicated state (a new leader reads the same ledger)
+        assert daemon.log.read(lambda st: st.ledger.released_clusters["c2"]) == ReleasedCluster(
+            "B", "10.0.0.2:7780", tuple(ids))
         configures = spy.per_machine("Configure")
         await until(lambda: daemon.cycles >= 10, 30, "more cycles")
         await daemon.reconcile(full=True)
@@ -126,8 +131,7 @@ async def test_release_that_cannot_settle_fails_and_keeps_serving(tmp_path: Path
                                                                  to_shard_address="10.0.0.2:7780"))
             del daemon.view.inflight[ids[0]]
         assert "c3" not in daemon.frozen_clusters and not daemon.frozen_machines
-        assert not handoff.ledger.cluster_released("c3") and not handoff.ledger.released
-        assert not (tmp_path / LEDGER_FILE).exists() or not load_ledger(tmp_path / LEDGER_FILE, "A", "exclusive").released
+        assert "c3" not in handoff.ledger.released_clusters and not handoff.ledger.released
         async with FakeOperator(addr, "c3") as back:  # still served here (the coordinator aborted the move)
             await back.send_rollup([need("4", count=1)])
             await until(lambda: back.acks("rollup"), 20, "c3 served again")

@@ -3,20 +3,21 @@ and drain victims are chosen."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from bigfleet.machine import Assignment, Machine, MachineState, machine_from_proto
 from bigfleet.machine.wire import encode_shard_metadata
 from bigfleet.needs import Resources
+from bigfleet.shard.ha.state import HAState, ReleasedCluster
 from bigfleet.shard.handoff import (
     EXCLUSIVE,
     OWNER_KEY,
     SHARED,
-    OwnershipLedger,
-    load_ledger,
+    load_legacy_ledger,
+    owns,
     pick_donations,
     pick_drain_victims,
-    save_ledger,
 )
 from bigfleet.v1alpha1 import capacity_pb2, provider_pb2
 
@@ -50,58 +51,69 @@ def zone_is(z: str) -> list[capacity_pb2.NodeSelectorRequirement]:
                                                  values=[z])]
 
 
+def state(epoch: int = 1) -> HAState:
+    return HAState(epoch=epoch)
+
+
 def test_exclusive_owns_all_but_released_and_other_owners() -> None:
-    led = OwnershipLedger("A", EXCLUSIVE)
-    assert led.owns(rec("m1"))
-    assert not led.owns(rec("m2", owner="B"))
-    assert led.owns(rec("m3", owner="A"))
-    led.release_cluster("c1", ["m1", "m1", "m4"], "B", "h:1")
-    assert not led.owns(rec("m1")) and not led.owns(rec("m4", owner="A"))
-    assert led.cluster_released("c1") and led.redirect_for("c1") == "h:1"
-    assert led.released_clusters["c1"]["machines"] == ["m1", "m4"]
-    led.adopt(["m1"], "c1")  # handed back: ours again, the cluster is served again
-    assert led.owns(rec("m1")) and not led.cluster_released("c1")
+    st = state()
+    mine = lambda r: owns(st.ledger, "A", EXCLUSIVE, r)  # noqa: E731
+    assert mine(rec("m1"))
+    assert not mine(rec("m2", owner="B"))
+    assert mine(rec("m3", owner="A"))
+    assert st.release_cluster("c1", ("m1", "m1", "m4"), "B", "h:1", 1) == ("m1", "m4")
+    assert not mine(rec("m1")) and not mine(rec("m4", owner="A"))
+    assert st.ledger.released_clusters["c1"] == ReleasedCluster("B", "h:1", ("m1", "m4"))
+    # a repeat answers what the first release recorded; a stale epoch changes nothing
+    assert st.release_cluster("c1", ("m9",), "B", "h:1", 1) == ("m1", "m4")
+    assert st.release_cluster("c2", ("m3",), "B", "h:1", 0) is None and mine(rec("m3", owner="A"))
+    assert st.adopt(("m1",), "c1", 1)  # handed back: ours again, the cluster is served again
+    assert mine(rec("m1")) and "c1" not in st.ledger.released_clusters
 
 
 def test_shared_owns_only_adopted_or_marked() -> None:
-    led = OwnershipLedger("B", SHARED)
-    assert not led.owns(rec("m1"))
-    assert led.owns(rec("m2", owner="B"))
-    led.adopt(["m1"])
-    assert led.owns(rec("m1", owner="A"))  # an adoption wins over a stale owner mark
-    led.release(["m1"], "transfer:t1")
-    assert not led.owns(rec("m1"))
+    st = state()
+    mine = lambda r: owns(st.ledger, "B", SHARED, r)  # noqa: E731
+    assert not mine(rec("m1"))
+    assert mine(rec("m2", owner="B"))
+    st.adopt(("m1",), "", 1)
+    assert mine(rec("m1", owner="A"))  # an adoption wins over a stale owner mark
+    assert st.release_machines(("m1",), "transfer:t1", 1) == ("m1",)
+    assert st.release_machines(("m2",), "transfer:t1", 1) == ("m1",)  # idempotent per transfer id
+    assert not mine(rec("m1"))
 
 
 def test_no_machine_has_two_claimants() -> None:
     """Exclusive A and shared B over the same records, through a release/adopt: never both."""
-    a, b = OwnershipLedger("A", EXCLUSIVE), OwnershipLedger("B", SHARED)
+    a, b = state(), state()
     recs = [rec(f"m{i}") for i in range(6)] + [rec("x", owner="B"), rec("y", owner="A")]
 
     def check() -> None:
         for r in recs:
-            assert not (a.owns(r) and b.owns(r)), r.id
+            assert not (owns(a.ledger, "A", EXCLUSIVE, r) and owns(b.ledger, "B", SHARED, r)), r.id
 
     check()
-    ids = a.release_cluster("c", ["m0", "m1"], "B", "")
+    ids = a.release_cluster("c", ("m0", "m1"), "B", "", 1)
+    assert ids is not None
     check()
-    b.adopt(ids, "c")
+    b.adopt(ids, "c", 1)
     check()
-    assert b.owns(recs[0]) and not a.owns(recs[0])
-    b.release(["m0"], "transfer:back")
-    a.adopt(["m0"])
+    assert owns(b.ledger, "B", SHARED, recs[0]) and not owns(a.ledger, "A", EXCLUSIVE, recs[0])
+    b.release_machines(("m0",), "transfer:back", 1)
+    a.adopt(("m0",), "", 1)
     check()
-    assert a.owns(recs[0]) and not b.owns(recs[0])
+    assert owns(a.ledger, "A", EXCLUSIVE, recs[0]) and not owns(b.ledger, "B", SHARED, recs[0])
 
 
-def test_ledger_round_trips_through_the_data_dir(tmp_path: Path) -> None:
-    led = OwnershipLedger("A", EXCLUSIVE)
-    led.release_cluster("c1", ["m1"], "B", "h:1")
-    led.adopt(["m9"])
-    save_ledger(tmp_path / "o.json", led)
-    back = load_ledger(tmp_path / "o.json", "A", EXCLUSIVE)
-    assert back.to_json() == led.to_json()
-    assert load_ledger(tmp_path / "missing.json", "A", SHARED).mode == SHARED
+def test_ledger_file_of_an_older_shard_is_read_for_import(tmp_path: Path) -> None:
+    (tmp_path / "o.json").write_text(json.dumps({
+        "shard_id": "A", "released": {"m1": "c1", "m7": "transfer:t"}, "adopted": ["m9"],
+        "released_clusters": {"c1": {"to": "B", "address": "h:1", "machines": ["m1"]}}}))
+    led = load_legacy_ledger(tmp_path / "o.json")
+    assert led is not None
+    assert led.released == {"m1": "c1", "m7": "transfer:t"} and led.adopted == {"m9"}
+    assert led.released_clusters["c1"] == ReleasedCluster("B", "h:1", ("m1",))
+    assert load_legacy_ledger(tmp_path / "missing.json") is None
 
 
 def test_donations_idle_first_then_speculative_matching_and_covering() -> None:

@@ -318,3 +318,32 @@ class CoordinatorSource:
 
 def message_json(msg: Any) -> dict[str, Any]:
     return json_format.MessageToDict(msg, preserving_proto_field_name=True)
+
+
+class ReplicaSource:
+    """Dashboard data for one shard replica: the leading replica's :class:`ShardSource`, or, on a
+    follower, an empty page naming the leader (the same answer its gRPC API gives).
+
+    ``current`` is read on every snapshot, so a replica that gains or loses leadership serves the
+    right page without restarting its dashboard."""
+
+    component = "shard"
+
+    def __init__(self, shard_id: str, current: Callable[[], ShardSource | None],
+                 leader_hint: Callable[[], str]) -> None:
+        self.shard_id = shard_id
+        self.current = current
+        self.leader_hint = leader_hint
+        self.history = History()
+
+    async def snapshot(self, now: float) -> dict[str, Any]:
+        src = self.current()
+        if src is not None:
+            return await src.snapshot(now)
+        hint = self.leader_hint()
+        return {
+            "component": "shard", "id": self.shard_id, "generated_at": iso(now),
+            "error": "this replica does not lead the shard" + (f"; leader at {hint}" if hint else ""),
+            "leader": hint, "shards": [], "clusters": [], "inventory": {}, "capacity": [], "needs": [],
+            "needs_total": 0, "shortfalls": [], "actions": [], "history": self.history.to_json(),
+        }

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import signal
 import sys
 from typing import Any
 
@@ -13,12 +12,9 @@ import grpc
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2_grpc
 
-from bigfleet.observability import configure_logging, get_logger, new_registry, start_metrics_server
-from bigfleet.rpc.options import NOT_SERVING, SERVING, server_options
-from bigfleet.security.limits import SESSION_STREAM_LIMIT
-from bigfleet.security.roles import SHARD_POLICY, RoleInterceptor
-from bigfleet.security.tls import TLSConfig, add_port, add_tls_arguments, tls_from_args_or_exit
-from bigfleet.v1alpha1 import shard_pb2_grpc, shardread_pb2_grpc
+from bigfleet.observability import configure_logging
+from bigfleet.rpc.options import server_options
+from bigfleet.security.tls import TLSConfig, add_tls_arguments, tls_from_args_or_exit
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-nice", type=int, help="niceness added to the engine worker (0-19; sessions win the CPU)")
     p.add_argument("--engine-fork", action="store_const", const=True, help="same as --engine-mode fork")
     p.add_argument("--paused", action="store_const", const=True)
-    ha = p.add_argument_group("replica group (shard HA, off unless --raft-bind is given)")
+    ha = p.add_argument_group("replica group (without --raft-bind the shard is a Raft group of one on loopback)")
     ha.add_argument("--replica-id", help="this replica's name (logs, metrics)")
     ha.add_argument("--raft-bind", help="HOST:PORT of this replica's Raft endpoint (also its Raft identity)")
     ha.add_argument("--raft-peers", help="Raft endpoints of the other replicas HOST:PORT,...")
@@ -134,103 +130,9 @@ GC_THRESHOLDS = (20_000, 20, 1_000)
 
 
 async def serve(settings: Any, tls: TLSConfig | None = None) -> int:
-    from bigfleet.shard.daemon import ShardDaemon
-    from bigfleet.shard.epoch import EpochError, bump_epoch
-    from bigfleet.shard.metrics import ShardMetrics
-    from bigfleet.shard.readsvc import ShardAdminServicer, ShardReadServicer
+    from bigfleet.shard.ha.serve import serve as serve_replica
 
-    if settings.raft_bind:
-        from bigfleet.shard.ha.serve import serve_ha
-
-        return await serve_ha(settings, tls)
-    log = get_logger("bigfleet.shard.cli", shard=settings.shard_id)
-    try:
-        epoch = bump_epoch(settings.data_dir)
-    except (EpochError, OSError) as exc:
-        log.error("cannot establish the shard epoch", error=str(exc))
-        return 1
-    registry = new_registry(process_metrics=True)
-    metrics = ShardMetrics(registry)
-    cfg = daemon_config(settings, epoch)
-    daemon = ShardDaemon(cfg, metrics, tls=tls)
-    from pathlib import Path
-
-    from bigfleet.shard.handoff import ShardHandoff
-
-    # Installed before the first reconcile: a released machine must never be re-read as ours.
-    handoff = ShardHandoff(daemon, Path(settings.data_dir), mode=settings.ownership)
-    # Per-session flood control and frame size bounds (roll-ups paced, floods/oversize closed).
-    session_limits = {"/bigfleet.v1alpha1.Shard/Session": SESSION_STREAM_LIMIT}
-    server, health = build_server(
-        RoleInterceptor(SHARD_POLICY, registry=registry, component="shard", stream_limits=session_limits)
-    )
-    shard_pb2_grpc.add_ShardServicer_to_server(daemon.servicer, server)
-    shardread_pb2_grpc.add_ShardReadServicer_to_server(ShardReadServicer(daemon), server)
-    shardread_pb2_grpc.add_ShardAdminServicer_to_server(ShardAdminServicer(daemon), server)
-    try:
-        port = add_port(server, settings.listen, tls)
-    except OSError as exc:
-        log.error("cannot listen", listen=settings.listen, error=str(exc))
-        return 1
-    await server.start()
-    metrics_server = start_metrics_server(settings.metrics_listen, registry) if settings.metrics_listen else None
-    await health.set("", SERVING)
-    await health.set("bigfleet.v1alpha1.Shard", SERVING)
-    heartbeat_task: asyncio.Task[None] | None = None
-    coord_client = None
-    if settings.coordinator:
-        from bigfleet.coordinator.client import CoordinatorClient, HeartbeatLoop
-
-        coord_client = CoordinatorClient(
-            [a for a in settings.coordinator.split(",") if a.strip()],
-            tls=tls,
-        )
-        handoff.coordinator = coord_client  # the handoff-window hold asks it about unknown clusters
-        heartbeat = HeartbeatLoop(
-            coord_client, settings.shard_id, daemon.build_report, handoff,
-            interval=settings.heartbeat_interval, shard_address=settings.advertise or settings.listen,
-            shard_epoch=epoch, state_file=Path(settings.data_dir) / "coordinator-client.json",
-        )
-        daemon.term_source = heartbeat.gate
-        heartbeat_task = asyncio.create_task(heartbeat.run(), name="coordinator-heartbeat")
-        log.info("reporting to the coordinator", coordinator=settings.coordinator,
-                 interval=settings.heartbeat_interval)
-    log.info("shard serving", listen=settings.listen, port=port, provider=settings.provider, epoch=epoch,
-             paused=settings.paused, dry_run=settings.dry_run)
-    await daemon.start()
-    dashboard = None
-    if settings.http_listen:
-        from bigfleet.dashboard import DashboardServer
-        from bigfleet.dashboard.sources import ShardSource
-
-        dashboard = DashboardServer(ShardSource(daemon, settings.advertise or settings.listen), settings.http_listen)
-        try:
-            await dashboard.start()
-        except (OSError, ValueError) as exc:
-            log.error("cannot listen for the dashboard", http_listen=settings.http_listen, error=str(exc))
-            dashboard = None
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting down")
-    await health.enter_graceful_shutdown()
-    await health.set("", NOT_SERVING)
-    if heartbeat_task is not None:
-        heartbeat_task.cancel()
-        await asyncio.gather(heartbeat_task, return_exceptions=True)
-    if coord_client is not None:
-        await coord_client.close()
-    await daemon.stop(drain_timeout=5.0)
-    await server.stop(grace=3.0)
-    if dashboard is not None:
-        await dashboard.stop()
-    if metrics_server:
-        metrics_server.stop()
-    log.info("stopped")
-    return 0
+    return await serve_replica(settings, tls)
 
 
 def daemon_config(settings: Any, epoch: int) -> Any:
@@ -269,4 +171,5 @@ def daemon_config(settings: Any, epoch: int) -> Any:
         engine_mode=settings.engine_mode,
         engine_timeout=settings.engine_timeout,
         engine_nice=settings.engine_nice,
+        ownership=settings.ownership,
     )

@@ -14,7 +14,7 @@ import os
 import pickle
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from itertools import chain
 from typing import Any
@@ -34,10 +34,13 @@ from bigfleet.shard import availability, engineproc
 from bigfleet.shard.engineproc import verdict_row
 from bigfleet.shard.executor import Binding, Executor, ExecutorConfig
 from bigfleet.shard.guard import EmptyRollupGuard, GuardConfig
+from bigfleet.shard.ha.node import LocalLog, RaftError, ShardLog
+from bigfleet.shard.ha.state import HAState
+from bigfleet.shard.handoff import EXCLUSIVE, OWNER_KEY, ShardHandoff
 from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.shard.provider_client import ProviderClient, ProviderError
 from bigfleet.shard.sessions import OperatorSession, RollupOutcome, SessionRegistry, SessionServicer
-from bigfleet.shard.store import LocalDemandStore
+from bigfleet.shard.store import ReplicatedStore
 from bigfleet.shard.view import MachineView
 from bigfleet.v1alpha1 import capacity_pb2, coordinator_pb2, provider_pb2
 
@@ -80,6 +83,9 @@ class DaemonConfig:
     # Niceness added to the worker: on a busy box the session loop (latency) wins the CPU over the
     # engine (throughput).
     engine_nice: int = 10
+    # Which unmarked provider machines are ours (bigfleet.shard.handoff): "exclusive" for the one
+    # shard that owns a provider's pool, "shared" for every other shard on it.
+    ownership: str = EXCLUSIVE
 
     @property
     def mode(self) -> str:
@@ -123,11 +129,22 @@ class CycleRecord:
 
 
 class ShardDaemon:
+    """One leadership term of a shard, built from the shard's replicated state.
+
+    ``log`` is the replicated log the state machine runs on (a Raft group, or an in-process
+    :class:`LocalLog` for the simulator and unit tests); its epoch must be ``config.epoch``. Every
+    durable change (roll-ups, carried engine state, the ownership ledger, the actuation switch) is
+    committed there before it takes effect or is acknowledged."""
+
     def __init__(self, config: DaemonConfig, metrics: ShardMetrics, tls: Any = None,
-                 provider: ProviderClient | None = None) -> None:
+                 provider: ProviderClient | None = None, log: ShardLog | None = None,
+                 coordinator: Any = None) -> None:
         self.config = config
         self.metrics = metrics
-        self.store = LocalDemandStore()
+        self.log: ShardLog = log if log is not None else LocalLog(HAState(epoch=config.epoch))
+        snap = self.log.read(HAState.copy)
+        self.store = ReplicatedStore(self.log, config.epoch)
+        self.restored_clusters = self.store.restore(snap)
         self.sessions = SessionRegistry(metrics)
         self.view = MachineView(on_node_update=self._route_node_update, on_reject=self._on_reject,
                                 wall_ns=config.wall_ns)
@@ -140,14 +157,14 @@ class ShardDaemon:
         self.availability = availability.AvailabilityEmitter(config.available_capacity_interval)
         self.sessions.on_removed.append(self.availability.forget_cluster)
         self.servicer = SessionServicer(self.sessions, self.handle_rollup, self._ack_info, self._resync)
-        self.paused = config.engine.paused
-        self.dry_run = config.engine.dry_run
+        # The kill switch: a flag holds it on; a runtime SetActuation is replicated and survives
+        # restarts and failovers (it can add a pause or dry-run, never lift one the flags impose).
+        act = snap.actuation
+        self.paused = config.engine.paused or bool(act is not None and act.paused)
+        self.dry_run = config.engine.dry_run or bool(act is not None and act.dry_run)
         self.metrics.paused.set(1 if self.paused else 0)
         self.coordinator_term = 0
-        self.term_source: Any = None  # set by the CLI to the heartbeat loop's instruction gate
-        # HA (bigfleet.shard.ha): commits the roll-up through Raft; the ack waits for it, and a
-        # False (not leader, no quorum) rejects the roll-up so the operator resends it.
-        self.before_apply: Callable[[str, capacity_pb2.ClusterCapacityNeeds, int], Awaitable[bool]] | None = None
+        self.term_source: Any = None  # the heartbeat loop's instruction gate, while one runs
         self.reconciled = asyncio.Event()
         self.last = CycleRecord()
         self.cycles = 0
@@ -185,11 +202,15 @@ class ShardDaemon:
         # Cross-shard handoff (bigfleet.shard.handoff): which provider machines are ours (None = all),
         # clusters/machines being handed away (no cycle decides for them, no action touches them),
         # and where a handed-off cluster's operator should go next.
-        self.owns: Callable[[provider_pb2.Machine], bool] | None = None
-        self.owner_id = ""
         self.frozen_clusters: set[str] = set()
         self.frozen_machines: set[str] = set()
         self.redirects: dict[str, str] = {}
+        self.handoff = ShardHandoff(self, self.log, config.epoch, mode=config.ownership, coordinator=coordinator)
+        self.owns: Callable[[provider_pb2.Machine], bool] = self.handoff.owns
+        self.servicer.refuse_cluster = self.handoff.refusal
+        self.servicer.hold_cluster = self.handoff.hold
+        # Bound machines carry their owner: a shard sharing the provider leaves them alone.
+        self.provider.extra_metadata = {OWNER_KEY: config.shard_id}
 
     # -- wiring helpers ------------------------------------------------------------------------
 
@@ -250,7 +271,7 @@ class ShardDaemon:
             # Per-cluster series exist only while (or since) a cluster was held: one zero-valued
             # child per cluster would make every scrape of a 5 000-session shard walk 5 000 series.
             self.metrics.rollup_quarantined.labels(cluster_id).set(0)
-        if self.before_apply is not None and not await self.before_apply(cluster_id, pb, now):
+        if not await self._replicate_rollup(cluster_id, pb, now):
             return RollupOutcome(False, error="roll-up not replicated (shard replica not leading); resend")
         changed = self.store.apply_rollup(cluster_id, needs, now)
         if changed:
@@ -261,6 +282,40 @@ class ShardDaemon:
             self.trigger()
         self.metrics.rollup_duration.observe(time.perf_counter() - started)
         return RollupOutcome(True)
+
+    async def _replicate_rollup(self, cluster_id: str, pb: capacity_pb2.ClusterCapacityNeeds, now: int) -> bool:
+        """Commit the roll-up to the replicated state before it is applied and acknowledged: a
+        failure (lost quorum, deposed) refuses it and the operator resends; so does a daemon whose
+        term ended (a fenced leader can still hold the epoch in the replicated state)."""
+        if self._stopping.is_set():
+            return False
+        try:
+            ok = await self.log.replace(cluster_id, pb.SerializeToString(), now, self.config.epoch)
+        except RaftError as exc:
+            log.warning("roll-up not committed", cluster=cluster_id, error=str(exc))
+            self.metrics.rollups_not_committed.inc()
+            return False
+        if not ok:
+            log.warning("roll-up refused by the replicated state (stale epoch)", cluster=cluster_id)
+        return ok
+
+    def forget_machines(self, ids: Iterable[str]) -> None:
+        """Machines handed to another shard: out of the view and out of every local overlay."""
+        ids = list(ids)
+        for mid in ids:
+            self._drop_machine(mid)
+        self.frozen_machines.difference_update(ids)
+
+    def _drop_machine(self, mid: str) -> None:
+        v = self.view
+        v.forget(mid)
+        v.reserved_for.pop(mid, None)
+        v.failed_local.discard(mid)
+
+    def forget_cluster(self, cluster_id: str) -> None:
+        """A cluster handed to another shard: its demand, engine state and roll-up digest go."""
+        self.store.forget_cluster(cluster_id)
+        self._accepted_digest.pop(cluster_id, None)  # an identical roll-up after an adopt back applies again
 
     # -- bindings (what Configure needs for a need) --------------------------------------------
 
@@ -283,8 +338,12 @@ class ShardDaemon:
         for i, pb in enumerate(lst.machines):
             if i % 1000 == 999:
                 await asyncio.sleep(0)  # a big List must not hold the loop (sessions wait)
-            if owns is not None and not owns(pb):
-                continue  # another shard's machine on a shared provider (a full List forgets it below)
+            if not owns(pb):
+                # Another shard's machine on a shared provider. A record we still hold (it was ours,
+                # or a stale Speculative slot) goes now: deciding on it would act on their machine.
+                if pb.id not in self.view.inflight and self.view.get(pb.id) is not None:
+                    self._drop_machine(pb.id)
+                continue
             seen.add(pb.id)
             if self.executor.ended_after(pb.id, mark):
                 self.executor.recheck(pb)  # this record may predate the flow that just ended
@@ -739,10 +798,15 @@ class ShardDaemon:
             shortfalls=shortfalls_to_proto(rec.decision.shortfalls if rec.decision else ())[:100],
         )
 
-    def set_actuation(self, paused: bool, dry_run: bool) -> None:
-        self.paused, self.dry_run = paused, dry_run
-        self.metrics.paused.set(1 if paused else 0)
-        log.warning("actuation changed", paused=paused, dry_run=dry_run)
+    async def set_actuation(self, paused: bool, dry_run: bool) -> None:
+        """Commit the switch to the replicated state first (it survives restart and failover), then
+        obey it; flags that impose a pause or dry-run keep it on."""
+        if not await self.log.set_actuation(paused, dry_run, self.config.epoch):
+            raise RaftError("actuation not replicated: this replica no longer leads")
+        self.paused = paused or self.config.engine.paused
+        self.dry_run = dry_run or self.config.engine.dry_run
+        self.metrics.paused.set(1 if self.paused else 0)
+        log.warning("actuation changed", paused=self.paused, dry_run=self.dry_run)
         self.trigger()
 
 

@@ -2,11 +2,11 @@
 
 Ownership rule (two shards may share one provider, which lists every machine to both):
 
-* Every shard persists an :class:`OwnershipLedger` in its data dir: the machine ids it has
-  *released* (handed to another shard) and the ids it has *adopted* (received from one), plus the
-  clusters it has released and where they went.
-* A released id is never ours again until an adopt names it (the ledger is written before the
-  ack leaves, so a restart never re-adopts it from the provider's ``List``).
+* Every shard keeps a :class:`~bigfleet.shard.ha.state.Ledger` in its replicated state: the machine
+  ids it has *released* (handed to another shard) and the ids it has *adopted* (received from one),
+  plus the clusters it has released and where they went.
+* A released id is never ours again until an adopt names it (the ledger command commits before the
+  ack leaves, so neither a restart nor a failover re-adopts it from the provider's ``List``).
 * ``exclusive`` mode (default; the shard that owns the provider's pool): every listed machine is
   ours except released ones and ones whose ``shard_metadata`` owner key names another shard.
 * ``shared`` mode (a shard added beside an existing one on the same provider): only adopted ids,
@@ -24,17 +24,15 @@ is otherwise answered UNAVAILABLE with the ``bigfleet-retry-later`` trailer (the
 so this shard never provisions for a cluster whose machines are still on their way. Any doubt (no
 coordinator, coordinator unreachable, cluster bound elsewhere) admits the Session as before.
 
-The ledger and the victim/donor selection are pure; :class:`ShardHandoff` is the shell that
-freezes the daemon, settles provider calls, persists and acks.
+The ownership rule and the victim/donor selection are pure; :class:`ShardHandoff` is the shell that
+freezes the daemon, settles provider calls, commits the ledger change and acks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +44,8 @@ from bigfleet.needs import Resources
 from bigfleet.needs.requirements import matches_all
 from bigfleet.needs.wire import requirement_from_proto
 from bigfleet.observability import get_logger
+from bigfleet.shard.ha.node import ShardLog
+from bigfleet.shard.ha.state import Ledger, ReleasedCluster
 from bigfleet.shard.provider_client import ProviderError
 from bigfleet.v1alpha1 import capacity_pb2, coordinator_pb2, provider_pb2
 
@@ -56,90 +56,36 @@ log = get_logger("bigfleet.shard.handoff")
 
 OWNER_KEY = "bigfleet.lucy.sh/owner-shard"
 REDIRECT_METADATA_KEY = "bigfleet-redirect"
-LEDGER_FILE = "ownership.json"
+LEDGER_FILE = "ownership.json"  # before the ledger was replicated: imported once, then ignored
 EXCLUSIVE, SHARED = "exclusive", "shared"
 
 
 # --------------------------------------------------------------------------- pure bookkeeping
-@dataclass
-class OwnershipLedger:
-    """Which provider machines and clusters this shard may act on (persisted as JSON)."""
-
-    shard_id: str
-    mode: str = EXCLUSIVE
-    released: dict[str, str] = field(default_factory=dict)  # machine id -> why (cluster / transfer id)
-    adopted: set[str] = field(default_factory=set)
-    released_clusters: dict[str, dict[str, Any]] = field(default_factory=dict)  # cluster -> {to, address, machines}
-
-    def owns(self, pb: provider_pb2.Machine) -> bool:
-        if pb.id in self.released:
-            return False
-        if pb.id in self.adopted:
-            return True
-        if not pb.cluster:  # the provider clears shard_metadata with the binding: no owner mark to read
-            return self.mode == EXCLUSIVE
-        owner = pb.shard_metadata.get(OWNER_KEY, "")
-        if owner:
-            return owner == self.shard_id
-        return self.mode == EXCLUSIVE
-
-    def cluster_released(self, cluster_id: str) -> bool:
-        return cluster_id in self.released_clusters
-
-    def redirect_for(self, cluster_id: str) -> str:
-        return str(self.released_clusters.get(cluster_id, {}).get("address", ""))
-
-    def release_cluster(self, cluster_id: str, machine_ids: Iterable[str], to_shard: str, address: str) -> list[str]:
-        ids = sorted(set(machine_ids))
-        self.released_clusters[cluster_id] = {"to": to_shard, "address": address, "machines": ids}
-        self.release(ids, cluster_id)
-        return ids
-
-    def release(self, machine_ids: Iterable[str], why: str) -> None:
-        for mid in machine_ids:
-            self.released[mid] = why
-            self.adopted.discard(mid)
-
-    def adopt(self, machine_ids: Iterable[str], cluster_id: str = "") -> None:
-        for mid in machine_ids:
-            self.released.pop(mid, None)
-            self.adopted.add(mid)
-        if cluster_id:
-            self.released_clusters.pop(cluster_id, None)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "shard_id": self.shard_id,
-            "released": self.released,
-            "adopted": sorted(self.adopted),
-            "released_clusters": self.released_clusters,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any], shard_id: str, mode: str) -> OwnershipLedger:
-        return cls(
-            shard_id=shard_id,
-            mode=mode,
-            released={str(k): str(v) for k, v in dict(data.get("released", {})).items()},
-            adopted={str(x) for x in data.get("adopted", [])},
-            released_clusters={str(k): dict(v) for k, v in dict(data.get("released_clusters", {})).items()},
-        )
+def owns(ledger: Ledger, shard_id: str, mode: str, pb: provider_pb2.Machine) -> bool:
+    """The ownership rule for a provider record (see the module docstring)."""
+    if pb.id in ledger.released:
+        return False
+    if pb.id in ledger.adopted:
+        return True
+    if not pb.cluster:  # the provider clears shard_metadata with the binding: no owner mark to read
+        return mode == EXCLUSIVE
+    owner = pb.shard_metadata.get(OWNER_KEY, "")
+    if owner:
+        return owner == shard_id
+    return mode == EXCLUSIVE
 
 
-def load_ledger(path: Path, shard_id: str, mode: str) -> OwnershipLedger:
+def load_legacy_ledger(path: Path) -> Ledger | None:
+    """A ledger file written before the ledger moved into the replicated state (None: no file)."""
     if not path.exists():
-        return OwnershipLedger(shard_id, mode)
-    return OwnershipLedger.from_json(json.loads(path.read_text()), shard_id, mode)
-
-
-def save_ledger(path: Path, ledger: OwnershipLedger) -> None:
-    """Atomic and durable: an ack that handed machines away must never outlive the record of it."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(ledger.to_json(), f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+        return None
+    data = json.loads(path.read_text())
+    led = Ledger(released={str(k): str(v) for k, v in dict(data.get("released", {})).items()},
+                 adopted={str(x) for x in data.get("adopted", [])})
+    for cid, rc in dict(data.get("released_clusters", {})).items():
+        led.released_clusters[str(cid)] = ReleasedCluster(str(rc.get("to", "")), str(rc.get("address", "")),
+                                                          tuple(str(m) for m in rc.get("machines", [])))
+    return led
 
 
 def _selector(reqs: Sequence[capacity_pb2.NodeSelectorRequirement]) -> Callable[[Machine], bool]:
@@ -195,19 +141,25 @@ def pick_drain_victims(machines: Iterable[Machine], busy: frozenset[str] | set[s
 
 # --------------------------------------------------------------------------- the shell
 class ShardHandoff(BaseInstructionHandler):
-    """The shard's :class:`~bigfleet.coordinator.client.InstructionHandler`."""
+    """The shard's :class:`~bigfleet.coordinator.client.InstructionHandler`.
 
-    def __init__(self, daemon: ShardDaemon, data_dir: Path, mode: str = EXCLUSIVE,
-                 settle_timeout: float = 60.0, drain_timeout: float = 900.0) -> None:
+    Every ledger change is a command on the shard's replicated state, committed (under this
+    leader's epoch) before the instruction is acknowledged: a restart, a failover or a deposed
+    leader can never re-read a released machine as ours."""
+
+    def __init__(self, daemon: ShardDaemon, log: ShardLog, epoch: int, mode: str = EXCLUSIVE,
+                 coordinator: Any = None, settle_timeout: float = 60.0, drain_timeout: float = 900.0) -> None:
         super().__init__()
         self.daemon = daemon
-        self.path = Path(data_dir) / LEDGER_FILE
-        self.ledger = load_ledger(self.path, daemon.config.shard_id, mode)
+        self.log = log
+        self.epoch = epoch
+        self.mode = mode
+        self.shard_id = daemon.config.shard_id
         self.settle_timeout = settle_timeout
         self.drain_timeout = drain_timeout
         self._lock = asyncio.Lock()
-        # Set by the shard's CLI when it runs with --coordinator: enables the handoff-window hold.
-        self.coordinator: Any = None
+        # With a coordinator: the handoff-window hold asks it about unknown clusters.
+        self.coordinator = coordinator
         self.adoption_hold = 2.0
         self.status_timeout = 2.0
         # After a failed status call, admit without asking for this long (a down coordinator must not
@@ -215,24 +167,21 @@ class ShardHandoff(BaseInstructionHandler):
         self.status_backoff = 5.0
         self._status_skip_until = 0.0
         self._adopted_events: dict[str, asyncio.Event] = {}  # cluster -> set once adopt_cluster finished
-        # Hook the daemon: reconcile keeps only our machines; Sessions of released clusters are refused.
-        daemon.owns = self.ledger.owns
-        daemon.servicer.refuse_cluster = self.refusal
-        daemon.servicer.hold_cluster = self.hold
-        daemon.owner_id = daemon.config.shard_id
-        # Bound machines carry their owner: a shard sharing the provider leaves them alone.
-        if hasattr(daemon.provider, "extra_metadata"):
-            daemon.provider.extra_metadata = {OWNER_KEY: daemon.config.shard_id}
 
-    def _save(self) -> None:
-        save_ledger(self.path, self.ledger)
+    @property
+    def ledger(self) -> Ledger:
+        return self.log.ledger()
+
+    def owns(self, pb: provider_pb2.Machine) -> bool:
+        return owns(self.log.ledger(), self.shard_id, self.mode, pb)
 
     def refusal(self, cluster_id: str) -> tuple[str, str] | None:
         """(reason, redirect address) when this shard must not serve ``cluster_id``."""
-        if cluster_id in self.daemon.frozen_clusters or self.ledger.cluster_released(cluster_id):
-            addr = self.ledger.redirect_for(cluster_id) or self.daemon.redirects.get(cluster_id, "")
+        rc = self.log.ledger().released_clusters.get(cluster_id)
+        if cluster_id in self.daemon.frozen_clusters or rc is not None:
+            addr = (rc.address if rc is not None else "") or self.daemon.redirects.get(cluster_id, "")
             where = f"; now served at {addr}" if addr else "; look it up again"
-            self._count_refusal()
+            self.daemon.metrics.handoff_sessions_refused.inc()
             return f"cluster {cluster_id} was handed off to another shard{where}", addr
         return None
 
@@ -260,31 +209,22 @@ class ShardHandoff(BaseInstructionHandler):
             log.info("cluster status unknown; admitting sessions without asking for a while", cluster=cluster_id,
                      error=str(exc)[:200], seconds=self.status_backoff)
             return None
-        me = self.daemon.config.shard_id
-        if st.handoff_to_shard_id != me or not st.handoff_phase:
+        if st.handoff_to_shard_id != self.shard_id or not st.handoff_phase:
             return None
         ev = self._adopted_events.setdefault(cluster_id, asyncio.Event())
         try:
             await asyncio.wait_for(ev.wait(), self.adoption_hold)
             return None
         except TimeoutError:
-            m = getattr(self.daemon.metrics, "handoff_sessions_held", None)
-            if m is not None:
-                m.inc()
+            self.daemon.metrics.handoff_sessions_held.inc()
             log.info("session held back: cluster still being handed to this shard", cluster=cluster_id,
                      phase=st.handoff_phase, frm=st.shard_id)
             return (f"cluster {cluster_id} is being handed to this shard ({st.handoff_phase}); "
                     "retry shortly")
 
-    def _count_refusal(self) -> None:
-        m = getattr(self.daemon.metrics, "handoff_sessions_refused", None)
-        if m is not None:
-            m.inc()
-
     def _count(self, direction: str, kind: str, n: int) -> None:
-        m = getattr(self.daemon.metrics, "handoff_machines", None)
-        if m is not None and n:
-            m.labels(direction, kind).inc(n)
+        if n:
+            self.daemon.metrics.handoff_machines.labels(direction, kind).inc(n)
 
     async def _settle(self, ids: set[str]) -> None:
         """Wait for provider calls in flight on ``ids`` to finish (each ends stable or FAILED)."""
@@ -292,16 +232,18 @@ class ShardHandoff(BaseInstructionHandler):
         deadline = loop.time() + self.settle_timeout
         while any(i in self.daemon.view.inflight for i in ids):
             if loop.time() > deadline:
-                raise TimeoutError(f"provider calls still in flight on {sorted(i for i in ids if i in self.daemon.view.inflight)[:5]}")
+                busy = sorted(i for i in ids if i in self.daemon.view.inflight)[:5]
+                raise TimeoutError(f"provider calls still in flight on {busy}")
             await asyncio.sleep(0.05)
 
     def _forget(self, ids: Iterable[str]) -> None:
-        v = self.daemon.view
-        for mid in ids:
-            v.forget(mid)
-            v.reserved_for.pop(mid, None)
-            v.failed_local.discard(mid)
-        self.daemon.frozen_machines.difference_update(ids)
+        self.daemon.forget_machines(ids)
+
+    @staticmethod
+    def _committed(res: tuple[str, ...] | None, what: str) -> tuple[str, ...]:
+        if res is None:
+            raise RuntimeError(f"{what}: refused by the replicated state (this replica no longer leads)")
+        return res
 
     # -- cluster handoff ---------------------------------------------------------------------
     async def release_cluster(self, msg: coordinator_pb2.ReleaseCluster) -> list[str]:
@@ -309,9 +251,9 @@ class ShardHandoff(BaseInstructionHandler):
         if not cid:
             raise ValueError("release_cluster: empty cluster_id")
         async with self._lock:
-            prev = self.ledger.released_clusters.get(cid)
+            prev = self.log.ledger().released_clusters.get(cid)
             if prev is not None:
-                return list(prev.get("machines", []))
+                return list(prev.machines)
             d = self.daemon
             # Right after a restart the view is empty until the first List: releasing then would hand
             # over nothing and strand the cluster's machines here.
@@ -330,36 +272,29 @@ class ShardHandoff(BaseInstructionHandler):
                 await self._settle(ids)
                 ids |= {pb.id for pb in d.view.bound_to(cid)}  # anything a racing cycle bound meanwhile
                 await self._settle(ids)
-                released = self.ledger.release_cluster(cid, ids, msg.to_shard_id, msg.to_shard_address)
-                self._save()
+                released = self._committed(
+                    await self.log.release_cluster(cid, tuple(ids), msg.to_shard_id, msg.to_shard_address,
+                                                   self.epoch), "release_cluster")
             except BaseException:
                 # Not released (the ack says FAILED; the coordinator aborts and the binding stays
                 # here): serve the cluster again when its operator reconnects.
-                self.ledger.released_clusters.pop(cid, None)
-                for mid in ids:
-                    self.ledger.released.pop(mid, None)
                 d.frozen_clusters.discard(cid)
                 d.frozen_machines.difference_update(ids)
                 d.redirects.pop(cid, None)
                 raise
             self._forget(released)
             self._adopted_events.pop(cid, None)  # adopting it back later must wait for that adoption
-            forget = getattr(d.store, "forget_cluster", None)
-            if forget is not None:
-                forget(cid)
-            else:
-                d.store.table.remove(cid)
-            d._accepted_digest.pop(cid, None)  # a later identical roll-up (after an adopt back) must apply again
+            d.forget_cluster(cid)
             d.frozen_clusters.discard(cid)  # the ledger refuses it from now on
             d.trigger()
             self._count("released", "cluster", len(released))
             log.info("cluster released", cluster=cid, to=msg.to_shard_id, machines=len(released),
                      handoff=msg.handoff_id)
-            return released
+            return list(released)
 
     async def _adopt(self, ids: Sequence[str], cluster_id: str = "") -> list[str]:
-        self.ledger.adopt(ids, cluster_id)
-        self._save()
+        if not await self.log.adopt(tuple(ids), cluster_id, self.epoch):
+            raise RuntimeError("adopt: refused by the replicated state (this replica no longer leads)")
         got: list[str] = []
         for mid in ids:
             try:
@@ -390,15 +325,16 @@ class ShardHandoff(BaseInstructionHandler):
     async def release_inventory(self, msg: coordinator_pb2.TransferOwnership) -> list[str]:
         async with self._lock:
             key = f"transfer:{msg.transfer_id}"
-            again = sorted(k for k, why in self.ledger.released.items() if why == key) if msg.transfer_id else []
+            again = self.log.ledger().released_for(key) if msg.transfer_id else []
             if again:
                 return again
             d = self.daemon
             await asyncio.wait_for(d.reconciled.wait(), self.settle_timeout)
             ids = pick_donations(d.view.machines(), set(d.view.inflight) | d.frozen_machines, msg.requirements,
                                  _deficit(msg.deficit))
-            self.ledger.release(ids, key)
-            self._save()
+            if ids:
+                ids = list(self._committed(await self.log.release_machines(tuple(ids), key, self.epoch),
+                                           "release_inventory"))
             self._forget(ids)
             d.trigger()
             self._count("released", "inventory", len(ids))
@@ -414,7 +350,7 @@ class ShardHandoff(BaseInstructionHandler):
 
     async def cross_shard_drain(self, msg: coordinator_pb2.CrossShardDrain) -> list[str]:
         key = f"transfer:{msg.transfer_id}"
-        again = sorted(k for k, why in self.ledger.released.items() if why == key) if msg.transfer_id else []
+        again = self.log.ledger().released_for(key) if msg.transfer_id else []
         if again:
             return again
         d = self.daemon
@@ -430,6 +366,8 @@ class ShardHandoff(BaseInstructionHandler):
             for mid in ids:
                 m = d.view.machine(mid)
                 if m is not None and m.state is MachineState.CONFIGURED:
+                    # The executor's preempt path: the owning cluster's operator gets the
+                    # ReclaimInstruction before the provider is asked to drain.
                     d.executor.submit_drain(mid, 30, msg.preemptor_priority, "preempt")
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.drain_timeout
@@ -441,11 +379,12 @@ class ShardHandoff(BaseInstructionHandler):
                 if loop.time() > deadline:
                     raise TimeoutError("cross-shard drain: victims did not drain in time")
                 await asyncio.sleep(0.1)
-            # Only drained (Idle) machines travel; a victim whose drain failed stays here, FAILED.
+            # Only drained (Idle) machines travel; a victim whose drain failed stays here.
             ids = [mid for mid in ids if (m := d.view.machine(mid)) is not None and m.state is MachineState.IDLE]
             async with self._lock:
-                self.ledger.release(ids, key)
-                self._save()
+                if ids:
+                    ids = list(self._committed(await self.log.release_machines(tuple(ids), key, self.epoch),
+                                               "cross_shard_drain"))
                 self._forget(ids)
         finally:
             d.frozen_machines.difference_update(victims)

@@ -95,6 +95,11 @@ class ShardMetrics:
             "bigfleet_shard_gc_pause_seconds", "Cyclic garbage collector pauses (they stall the session loop)",
             ["generation"], buckets=_exp(0.001, 2, 12), registry=r,
         )
+        # The replicated state (shard/ha): roll-ups refused because their commit failed.
+        self.rollups_not_committed = Counter(
+            "bigfleet_shard_ha_rollups_not_committed", "Roll-ups refused: not committed to the replicated state",
+            registry=r,
+        )
         # Cross-shard handoff (shard/handoff.py).
         self.handoff_machines = Counter(
             "bigfleet_shard_handoff_machines_total", "Machines released to or adopted from other shards",

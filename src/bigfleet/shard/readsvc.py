@@ -13,6 +13,7 @@ import grpc
 
 from bigfleet.needs import need_to_proto, requirement_to_proto
 from bigfleet.shard.engineproc import row_age, row_resources
+from bigfleet.shard.ha.node import RaftError
 from bigfleet.v1alpha1 import coordinator_pb2, provider_pb2, shardread_pb2, shardread_pb2_grpc
 
 if TYPE_CHECKING:
@@ -159,5 +160,8 @@ class ShardAdminServicer(shardread_pb2_grpc.ShardAdminServicer):
     async def SetActuation(
         self, request: shardread_pb2.SetActuationRequest, context: grpc.aio.ServicerContext
     ) -> shardread_pb2.ActuationStatus:
-        self.d.set_actuation(request.paused, request.dry_run)
+        try:
+            await self.d.set_actuation(request.paused, request.dry_run)
+        except RaftError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"actuation not changed: {exc}")
         return self._status()

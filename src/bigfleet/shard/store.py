@@ -1,17 +1,24 @@
 """Where the shard keeps its demand and the engine's carried state.
 
-Behind a small interface so that issue #6 can swap the local implementation
-for a Raft-replicated one (``apply_rollup`` and ``save_engine_state`` become
-replicated, idempotent commands) without touching the session or cycle code.
+The leader's working copy is in memory (:class:`LocalDemandStore`); the durable copy is the shard's
+replicated state (:mod:`bigfleet.shard.ha.state`). :class:`ReplicatedStore` loads a new leader's
+copy from it and writes the engine's carried state back after each cycle.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Protocol
 
 from bigfleet.decision.types import EngineState
-from bigfleet.needs import Need, NeedsTable
+from bigfleet.needs import Need, NeedsTable, ValidationError, rollup_from_proto
+from bigfleet.observability import get_logger
+from bigfleet.shard.ha.node import RaftError, ShardLog
+from bigfleet.shard.ha.state import HAState
+from bigfleet.v1alpha1 import capacity_pb2
+
+log = get_logger("bigfleet.shard.store")
 
 
 class DemandStore(Protocol):
@@ -76,3 +83,53 @@ class LocalDemandStore:
         # Keep the gate monotonic even if an engine forgot a flag.
         self._state = state.with_first_rollups(self._rolled_up - state.first_rollup)
         self._unfolded = set()
+
+
+class ReplicatedStore(LocalDemandStore):
+    """The leader's in-memory store, loaded from the replicated state; carried engine state is
+    written back through the log (coalesced: at most one write in flight, the newest state wins)."""
+
+    def __init__(self, log: ShardLog, epoch: int) -> None:
+        super().__init__()
+        self._log = log
+        self._epoch = epoch
+        self._version = 0
+        self._pending: EngineState | None = None
+        self._writer: asyncio.Task[None] | None = None
+        self.engine_writes = 0
+
+    def restore(self, snap: HAState) -> int:
+        """Load a new leader's demand from the replicated state; returns the number of clusters."""
+        for cluster_id, r in sorted(snap.rollups.items()):
+            pb = capacity_pb2.ClusterCapacityNeeds.FromString(r.data)
+            try:
+                _, needs = rollup_from_proto(pb, r.received_unix_nanos)
+            except ValidationError as exc:  # it validated when accepted; a schema change is the only way here
+                log.error("replicated roll-up no longer decodes; skipped", cluster=cluster_id, error=str(exc))
+                continue
+            self.apply_rollup(cluster_id, needs, r.received_unix_nanos)
+        for c in snap.first_rollup:
+            self.mark_first_rollup(c)
+        LocalDemandStore.save_engine_state(self, snap.carried())
+        return len(snap.rollups)
+
+    def save_engine_state(self, state: EngineState) -> None:
+        super().save_engine_state(state)
+        self._pending = self.engine_state()
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.get_running_loop().create_task(self._write_engine())
+
+    async def _write_engine(self) -> None:
+        while self._pending is not None:
+            st, self._pending = self._pending, None
+            self._version += 1
+            try:
+                await self._log.save_engine(st, self._version, self._epoch)
+                self.engine_writes += 1
+            except RaftError as exc:
+                log.warning("carried engine state not replicated", error=str(exc))
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.cancel()
+            await asyncio.gather(self._writer, return_exceptions=True)

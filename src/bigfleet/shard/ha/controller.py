@@ -1,23 +1,24 @@
-"""Leadership gating for a shard replica group: the imperative shell around :class:`ShardRaft`.
+"""Leadership of a shard replica: the one place a shard is assembled.
 
-Only the Raft leader acts. On winning an election a replica first commits a ``claim`` (one epoch
-bump per Raft term; the commit also proves every earlier entry is applied locally), then builds a
-fresh :class:`ShardDaemon` from the replicated roll-ups and carried state, fencing every provider
-call with the new epoch. Followers answer ``Session`` and ShardRead with UNAVAILABLE plus the
-leader's address in ``bigfleet-redirect`` trailing metadata and report NOT_SERVING. A leader that
-loses Raft leadership, or is fenced by the provider (FAILED_PRECONDITION: someone newer acted),
-stops its daemon and waits for a later term.
+A single-replica shard is a Raft group of one, so this is the only path: only the Raft leader acts.
+On winning an election a replica first commits a ``claim`` (one epoch bump per Raft term; the
+commit also proves every earlier entry is applied locally), then builds a fresh
+:class:`ShardDaemon` from the replicated state (roll-ups, carried engine state, ownership ledger,
+actuation), fencing every provider call with the new epoch, and starts its coordinator heartbeats.
+Followers answer ``Session``, ShardRead and ShardAdmin with UNAVAILABLE plus the leader's address
+in ``bigfleet-redirect`` trailing metadata and report NOT_SERVING; their dashboard names the
+leader. A leader that loses Raft leadership, or is fenced by the provider (FAILED_PRECONDITION:
+someone newer acted), stops its daemon and waits for a later term.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import os
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +26,17 @@ import grpc
 from grpc_health.v1 import health as grpc_health
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from bigfleet.decision.types import EngineState
-from bigfleet.needs import ValidationError, rollup_from_proto
+from bigfleet.coordinator.client import HeartbeatLoop
+from bigfleet.dashboard.sources import ShardSource
 from bigfleet.observability import get_logger
 from bigfleet.rpc.options import NOT_SERVING, SERVING
 from bigfleet.shard.daemon import DaemonConfig, ShardDaemon
-from bigfleet.shard.ha.node import RaftError, ShardRaft
-from bigfleet.shard.ha.state import HAState
+from bigfleet.shard.ha.node import ShardLog
+from bigfleet.shard.handoff import load_legacy_ledger
 from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.shard.provider_client import ProviderClient, ProviderError
-from bigfleet.shard.store import LocalDemandStore
-from bigfleet.v1alpha1 import capacity_pb2, shard_pb2_grpc, shardread_pb2_grpc
+from bigfleet.shard.readsvc import ShardAdminServicer, ShardReadServicer
+from bigfleet.v1alpha1 import shard_pb2_grpc, shardread_pb2_grpc
 
 log = get_logger("bigfleet.shard.ha")
 
@@ -59,60 +60,8 @@ class FencedProviderClient(ProviderClient):
             raise
 
 
-class ReplicatedStore(LocalDemandStore):
-    """The leader's in-memory demand store; carried engine state is also written through Raft
-    (coalesced: at most one write in flight, the newest state wins)."""
-
-    def __init__(self, raft: ShardRaft, epoch: int) -> None:
-        super().__init__()
-        self._raft = raft
-        self._epoch = epoch
-        self._version = 0
-        self._pending: EngineState | None = None
-        self._writer: asyncio.Task[None] | None = None
-        self.engine_writes = 0
-
-    def save_engine_state(self, state: EngineState) -> None:
-        super().save_engine_state(state)
-        self._pending = self.engine_state()
-        if self._writer is None or self._writer.done():
-            self._writer = asyncio.get_running_loop().create_task(self._write_engine())
-
-    async def _write_engine(self) -> None:
-        while self._pending is not None:
-            st, self._pending = self._pending, None
-            self._version += 1
-            try:
-                await self._raft.save_engine(st, self._version, self._epoch)
-                self.engine_writes += 1
-            except RaftError as exc:
-                log.warning("carried engine state not replicated", error=str(exc))
-
-    async def close(self) -> None:
-        if self._writer is not None:
-            self._writer.cancel()
-            with contextlib.suppress(BaseException):
-                await self._writer
-
-
-def restore_store(store: LocalDemandStore, snap: HAState) -> int:
-    """Load a new leader's store from the replicated state; returns the number of clusters."""
-    for cluster_id, r in sorted(snap.rollups.items()):
-        pb = capacity_pb2.ClusterCapacityNeeds.FromString(r.data)
-        try:
-            _, needs = rollup_from_proto(pb, r.received_unix_nanos)
-        except ValidationError as exc:  # it validated when accepted; a schema change is the only way here
-            log.error("replicated roll-up no longer decodes; skipped", cluster=cluster_id, error=str(exc))
-            continue
-        store.apply_rollup(cluster_id, needs, r.received_unix_nanos)
-    for c in snap.first_rollup:
-        store.mark_first_rollup(c)
-    store.save_engine_state(snap.carried())
-    return len(snap.rollups)
-
-
 def read_epoch(path: Path) -> int:
-    """The data dir's epoch file (shared format with single-replica mode); missing or corrupt = 0
+    """The data dir's epoch file (the highest epoch this replica led with); missing or corrupt = 0
     (corrupt is logged: the replicated epoch still only moves forward)."""
     try:
         text = path.read_text().strip()
@@ -136,11 +85,6 @@ def store_epoch(path: Path, epoch: int) -> None:
     os.replace(tmp, path)
 
 
-def _copy_state(s: HAState) -> HAState:
-    return HAState(dict(s.rollups), set(s.first_rollup), s.engine, s.engine_version, s.epoch, s.claim_term,
-                   s.leader_node, s.leader_advertise, s.replaces)
-
-
 class HAMetrics:
     def __init__(self, registry: CollectorRegistry | None) -> None:
         r = registry if registry is not None else CollectorRegistry()
@@ -154,14 +98,23 @@ class HAMetrics:
                                  registry=r)
         self.stepdowns = Counter("bigfleet_shard_ha_stepdowns_total", "Times this replica stopped leading",
                                  ["reason"], registry=r)
-        self.rollup_commit = Counter("bigfleet_shard_ha_rollups_not_committed", "Roll-ups refused: not committed",
-                                   registry=r)
+
+
+@dataclass
+class Heartbeats:
+    """How the leader reports to the coordinator (only the leader does, with its term's epoch)."""
+
+    client: Any  # bigfleet.coordinator.client.CoordinatorClient
+    interval: float = 10.0
+    state_file: Path | None = None
 
 
 class HAController:
+    """Leadership of one shard replica: builds a :class:`ShardDaemon` for every term it leads."""
+
     def __init__(
         self,
-        raft: ShardRaft,
+        raft: ShardLog,
         base_config: DaemonConfig,
         metrics: ShardMetrics,
         health: grpc_health.aio.HealthServicer,
@@ -170,12 +123,12 @@ class HAController:
         poll: float = 0.05,
         registry: CollectorRegistry | None = None,
         epoch_file: Path | None = None,
+        heartbeats: Heartbeats | None = None,
+        legacy_ledger: Path | None = None,
     ) -> None:
         self.epoch_file = epoch_file
-        # Called with the new daemon after it started / before it stops (e.g. coordinator heartbeats,
-        # which must carry the epoch of the term that leads).
-        self.on_lead: list[Callable[[ShardDaemon], None]] = []
-        self.on_step_down: list[Callable[[], Awaitable[None]]] = []
+        self.heartbeats = heartbeats
+        self.legacy_ledger = legacy_ledger
         self.ha_metrics = HAMetrics(registry)
         self.raft = raft
         self.base_config = base_config
@@ -185,15 +138,18 @@ class HAController:
         self.tls = tls
         self.poll = poll
         self.daemon: ShardDaemon | None = None
-        self.read_servicer: Any = None
-        self.admin_servicer: Any = None
+        self.read_servicer: ShardReadServicer | None = None
+        self.admin_servicer: ShardAdminServicer | None = None
+        self.dashboard_source: ShardSource | None = None
         self.epoch = 0
         self.term = -1
         self._fenced_term = -1
+        self._heartbeat: asyncio.Task[None] | None = None
         self._stepping_down: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self.takeovers = 0
         self.polls = 0
+        self.last_takeover_ms = 0.0
 
     # -- leadership -----------------------------------------------------------------------------
 
@@ -232,28 +188,52 @@ class HAController:
             return
         if self.epoch_file is not None:
             await asyncio.to_thread(store_epoch, self.epoch_file, epoch)
-        snap = self.raft.read(_copy_state)
+        await self._import_legacy_ledger(epoch)
         self.epoch, self.term = epoch, term
         cfg = replace(self.base_config, epoch=epoch)
         provider = FencedProviderClient(cfg.provider, cfg.shard_id, epoch, self.metrics, tls=self.tls,
                                         on_fenced=self._on_fenced)
-        daemon = ShardDaemon(cfg, self.metrics, tls=self.tls, provider=provider)
-        store = ReplicatedStore(self.raft, epoch)
-        clusters = restore_store(store, snap)
-        daemon.store = store
-        daemon.before_apply = self._replicate_rollup
-        from bigfleet.shard.readsvc import ShardAdminServicer, ShardReadServicer
-
+        hb = self.heartbeats
+        daemon = ShardDaemon(cfg, self.metrics, tls=self.tls, provider=provider, log=self.raft,
+                             coordinator=hb.client if hb is not None else None)
         self.read_servicer, self.admin_servicer = ShardReadServicer(daemon), ShardAdminServicer(daemon)
+        self.dashboard_source = ShardSource(daemon, self.advertise)
         self.daemon = daemon
         self.takeovers += 1
         self.ha_metrics.takeovers.inc()
         await daemon.start()
-        for fn in self.on_lead:
-            fn(daemon)
+        if hb is not None:
+            beat = HeartbeatLoop(hb.client, cfg.shard_id, daemon.build_report, daemon.handoff,
+                                 interval=hb.interval, shard_address=self.advertise, shard_epoch=epoch,
+                                 state_file=hb.state_file)
+            daemon.term_source = beat.gate
+            self._heartbeat = asyncio.get_running_loop().create_task(beat.run(), name="coordinator-heartbeat")
         await self._set_health(True)
-        log.warning("leading the shard", epoch=epoch, raft_term=term, clusters=clusters,
-                    takeover_ms=round((time.perf_counter() - started) * 1000, 1))
+        self.last_takeover_ms = round((time.perf_counter() - started) * 1000, 1)
+        log.warning("leading the shard", epoch=epoch, raft_term=term, clusters=daemon.restored_clusters,
+                    takeover_ms=self.last_takeover_ms)
+
+    async def _import_legacy_ledger(self, epoch: int) -> None:
+        """A data dir from before the ledger was replicated: its file's releases and adoptions become
+        commands once (an empty replicated ledger is the sign nothing was imported yet)."""
+        if self.legacy_ledger is None:
+            return
+        old = await asyncio.to_thread(load_legacy_ledger, self.legacy_ledger)
+        if old is None or self.raft.read(
+                lambda s: bool(s.ledger.released or s.ledger.adopted or s.ledger.released_clusters)):
+            return
+        for cid, rc in old.released_clusters.items():
+            await self.raft.release_cluster(cid, rc.machines, rc.to_shard, rc.address, epoch)
+        by_why: dict[str, list[str]] = {}
+        for mid, why in old.released.items():
+            by_why.setdefault(why, []).append(mid)
+        for why, ids in by_why.items():
+            if why not in old.released_clusters:
+                await self.raft.release_machines(tuple(ids), why, epoch)
+        if old.adopted:
+            await self.raft.adopt(tuple(sorted(old.adopted)), "", epoch)
+        log.warning("ownership ledger file imported into the replicated state", path=str(self.legacy_ledger),
+                    released=len(old.released), adopted=len(old.adopted))
 
     def _on_fenced(self, exc: ProviderError) -> None:
         if self.daemon is None or self._stepping_down is not None:
@@ -262,39 +242,28 @@ class HAController:
         self._fenced_term = self.term
         self._stepping_down = asyncio.get_running_loop().create_task(self._step_down("fenced by provider"))
 
-    async def _step_down(self, why: str) -> None:
+    async def _step_down(self, why: str, drain_timeout: float = 1.0) -> None:
         d = self.daemon
         if d is None:
             self._stepping_down = None
             return
         self.daemon = None
         self.read_servicer = self.admin_servicer = None
+        self.dashboard_source = None
         self.ha_metrics.stepdowns.labels(why).inc()
         await self._set_health(False)
         log.warning("stepping down", reason=why, epoch=self.epoch)
-        for hook in self.on_step_down:
-            with contextlib.suppress(Exception):
-                await hook()
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            await asyncio.gather(self._heartbeat, return_exceptions=True)
+            self._heartbeat = None
         d.sessions.close_all(grpc.StatusCode.UNAVAILABLE, "shard replica stepped down; reconnect")
-        if isinstance(d.store, ReplicatedStore):
-            await d.store.close()
-        with contextlib.suppress(Exception):
-            await d.stop(drain_timeout=1.0)
-        self._stepping_down = None
-
-    async def _replicate_rollup(self, cluster_id: str, pb: capacity_pb2.ClusterCapacityNeeds, now: int) -> bool:
-        """Commit the roll-up through Raft before the daemon applies and acknowledges it."""
-        if self.daemon is None:
-            return False
+        await d.store.close()
         try:
-            ok = await self.raft.replace(cluster_id, pb.SerializeToString(), now, self.epoch)
-        except RaftError as exc:
-            log.warning("roll-up not committed", cluster=cluster_id, error=str(exc))
-            self.ha_metrics.rollup_commit.inc()
-            return False
-        if not ok:
-            log.warning("roll-up refused by the replicated state (stale epoch)", cluster=cluster_id)
-        return ok
+            await d.stop(drain_timeout=drain_timeout)
+        except Exception:
+            log.exception("daemon stop failed while stepping down")
+        self._stepping_down = None
 
     async def _set_health(self, serving: bool) -> None:
         for svc in HEALTH_SERVICES:
@@ -302,7 +271,7 @@ class HAController:
 
     async def stop(self) -> None:
         self._stopping.set()
-        await self._step_down("shutting down")
+        await self._step_down("shutting down", drain_timeout=5.0)
 
     # -- follower answers -----------------------------------------------------------------------
 

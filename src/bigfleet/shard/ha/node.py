@@ -1,24 +1,70 @@
-"""A shard replica group's replicated state: roll-ups, the engine snapshot and the leader claim.
+"""The log under the shard's replicated state: a Raft member, or an in-process group of one.
 
-The Raft plumbing (settings, asyncio bridge, role queries) is :mod:`bigfleet.raft`. Arguments travel
-pickled inside pysyncobj's password-encrypted transport, so roll-ups ride as their wire bytes and are
-not re-encoded. Appends are batched and heartbeats short: roll-ups from many clusters arrive together.
+:class:`ShardRaft` is the production log (pysyncobj; a single-replica shard is a Raft group of one
+on loopback, so its state is journalled exactly as a replica group's). :class:`LocalLog` applies
+commands in process, synchronously: the simulator's virtual clock cannot wait on a Raft thread.
+Both answer the same :class:`ShardLog` protocol, so the shard is assembled one way.
+
+Arguments travel pickled inside pysyncobj's password-encrypted transport, so roll-ups ride as their
+wire bytes and are not re-encoded. Appends are batched and heartbeats short: roll-ups from many
+clusters arrive together.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from pysyncobj import replicated
 
 from bigfleet.decision.types import EngineState
 from bigfleet.raft import LockedConsumer, RaftBridge, RaftError, RaftSettings
-from bigfleet.shard.ha.state import HAState
+from bigfleet.shard.ha.state import HAState, Ledger
 
-__all__ = ["DUMP_FILE", "JOURNAL_FILE", "RaftError", "ShardRaft", "ShardRaftConfig"]
+__all__ = ["DUMP_FILE", "JOURNAL_FILE", "LocalLog", "RaftError", "ShardLog", "ShardRaft", "ShardRaftConfig"]
 
 JOURNAL_FILE = "shard-raft.journal"
 DUMP_FILE = "shard-raft.dump"
+T = TypeVar("T")
+
+
+class ShardLog(Protocol):
+    """What the shard needs from the log its state machine runs on."""
+
+    @property
+    def address(self) -> str: ...
+
+    def is_leader(self) -> bool: ...
+
+    def leader(self) -> str | None: ...
+
+    def raft_term(self) -> int: ...
+
+    def read(self, fn: Callable[[HAState], T]) -> T: ...
+
+    def ledger(self) -> Ledger:
+        """The live ledger (read without the lock: membership tests only)."""
+        ...
+
+    async def claim(self, advertise: str, floor: int = 0, timeout: float = 5.0) -> tuple[int, int]: ...
+
+    async def replace(self, cluster_id: str, data: bytes, now: int, epoch: int, timeout: float = 5.0) -> bool: ...
+
+    async def save_engine(self, state: EngineState, version: int, epoch: int, timeout: float = 5.0) -> bool: ...
+
+    async def release_cluster(self, cluster_id: str, machine_ids: tuple[str, ...], to_shard: str, address: str,
+                              epoch: int, timeout: float = 10.0) -> tuple[str, ...] | None: ...
+
+    async def release_machines(self, machine_ids: tuple[str, ...], why: str, epoch: int,
+                               timeout: float = 10.0) -> tuple[str, ...] | None: ...
+
+    async def adopt(self, machine_ids: tuple[str, ...], cluster_id: str, epoch: int,
+                    timeout: float = 10.0) -> bool: ...
+
+    async def set_actuation(self, paused: bool, dry_run: bool, epoch: int, timeout: float = 10.0) -> bool: ...
+
+    def destroy(self) -> None: ...
 
 
 class _Replicated(LockedConsumer[HAState]):
@@ -40,6 +86,27 @@ class _Replicated(LockedConsumer[HAState]):
         with self.lock:
             return self.fsm.claim(raft_term, node, advertise, floor)
 
+    @replicated  # type: ignore[untyped-decorator,misc,unused-ignore]
+    def release_cluster(self, cluster_id: str, machine_ids: tuple[str, ...], to_shard: str, address: str,
+                        epoch: int) -> tuple[str, ...] | None:
+        with self.lock:
+            return self.fsm.release_cluster(cluster_id, machine_ids, to_shard, address, epoch)
+
+    @replicated  # type: ignore[untyped-decorator,misc,unused-ignore]
+    def release_machines(self, machine_ids: tuple[str, ...], why: str, epoch: int) -> tuple[str, ...] | None:
+        with self.lock:
+            return self.fsm.release_machines(machine_ids, why, epoch)
+
+    @replicated  # type: ignore[untyped-decorator,misc,unused-ignore]
+    def adopt(self, machine_ids: tuple[str, ...], cluster_id: str, epoch: int) -> bool:
+        with self.lock:
+            return self.fsm.adopt(machine_ids, cluster_id, epoch)
+
+    @replicated  # type: ignore[untyped-decorator,misc,unused-ignore]
+    def set_actuation(self, paused: bool, dry_run: bool, epoch: int) -> bool:
+        with self.lock:
+            return self.fsm.set_actuation(paused, dry_run, epoch)
+
 
 @dataclass
 class ShardRaftConfig(RaftSettings):
@@ -59,6 +126,9 @@ class ShardRaft(RaftBridge[HAState]):
         self._ha = _Replicated()
         super().__init__(cfg, self._ha)
 
+    def ledger(self) -> Ledger:
+        return self._ha.fsm.ledger
+
     async def replace(self, cluster_id: str, data: bytes, now: int, epoch: int, timeout: float = 5.0) -> bool:
         return bool(await self.call(self._ha.replace, cluster_id, data, now, epoch, timeout=timeout))
 
@@ -70,3 +140,77 @@ class ShardRaft(RaftBridge[HAState]):
         term = self.raft_term()
         epoch = int(await self.call(self._ha.claim, term, self.address, advertise, floor, timeout=timeout))
         return epoch, term
+
+    async def release_cluster(self, cluster_id: str, machine_ids: tuple[str, ...], to_shard: str, address: str,
+                              epoch: int, timeout: float = 10.0) -> tuple[str, ...] | None:
+        res = await self.call(self._ha.release_cluster, cluster_id, tuple(machine_ids), to_shard, address, epoch,
+                              timeout=timeout, what="release_cluster")
+        return None if res is None else tuple(res)
+
+    async def release_machines(self, machine_ids: tuple[str, ...], why: str, epoch: int,
+                               timeout: float = 10.0) -> tuple[str, ...] | None:
+        res = await self.call(self._ha.release_machines, tuple(machine_ids), why, epoch, timeout=timeout,
+                              what="release_machines")
+        return None if res is None else tuple(res)
+
+    async def adopt(self, machine_ids: tuple[str, ...], cluster_id: str, epoch: int, timeout: float = 10.0) -> bool:
+        return bool(await self.call(self._ha.adopt, tuple(machine_ids), cluster_id, epoch, timeout=timeout,
+                                    what="adopt"))
+
+    async def set_actuation(self, paused: bool, dry_run: bool, epoch: int, timeout: float = 10.0) -> bool:
+        return bool(await self.call(self._ha.set_actuation, paused, dry_run, epoch, timeout=timeout,
+                                    what="set_actuation"))
+
+
+class LocalLog:
+    """The state machine applied in process: always the leader of a group of one, never durable.
+
+    For the simulator (a virtual clock cannot wait on a Raft thread) and in-process tests; every
+    command is the same :class:`HAState` method the Raft log applies."""
+
+    address = "local"
+
+    def __init__(self, state: HAState | None = None) -> None:
+        self.state = state if state is not None else HAState()
+        self.term = 1
+
+    def is_leader(self) -> bool:
+        return True
+
+    def leader(self) -> str | None:
+        return self.address
+
+    def raft_term(self) -> int:
+        return self.term
+
+    def read(self, fn: Callable[[HAState], T]) -> T:
+        return fn(self.state)
+
+    def ledger(self) -> Ledger:
+        return self.state.ledger
+
+    async def claim(self, advertise: str, floor: int = 0, timeout: float = 5.0) -> tuple[int, int]:
+        return self.state.claim(self.term, self.address, advertise, floor), self.term
+
+    async def replace(self, cluster_id: str, data: bytes, now: int, epoch: int, timeout: float = 5.0) -> bool:
+        return self.state.replace(cluster_id, data, now, epoch)
+
+    async def save_engine(self, state: EngineState, version: int, epoch: int, timeout: float = 5.0) -> bool:
+        return self.state.save_engine(state, version, epoch)
+
+    async def release_cluster(self, cluster_id: str, machine_ids: tuple[str, ...], to_shard: str, address: str,
+                              epoch: int, timeout: float = 10.0) -> tuple[str, ...] | None:
+        return self.state.release_cluster(cluster_id, tuple(machine_ids), to_shard, address, epoch)
+
+    async def release_machines(self, machine_ids: tuple[str, ...], why: str, epoch: int,
+                               timeout: float = 10.0) -> tuple[str, ...] | None:
+        return self.state.release_machines(tuple(machine_ids), why, epoch)
+
+    async def adopt(self, machine_ids: tuple[str, ...], cluster_id: str, epoch: int, timeout: float = 10.0) -> bool:
+        return self.state.adopt(tuple(machine_ids), cluster_id, epoch)
+
+    async def set_actuation(self, paused: bool, dry_run: bool, epoch: int, timeout: float = 10.0) -> bool:
+        return self.state.set_actuation(paused, dry_run, epoch)
+
+    def destroy(self) -> None:
+        pass

@@ -1,11 +1,17 @@
-"""``bigfleet shard --raft-bind ...``: one replica of a shard replica group."""
+"""``bigfleet shard``: one shard replica, served the same way with 1 or 3 replicas.
+
+Without ``--raft-bind`` the shard is a Raft group of one on a loopback port (its own state machine,
+journal and snapshot in ``--data-dir``); with it, one member of a replica group. Everything after
+the Raft member is built is the same code.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
+import secrets
 import signal
+import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,8 +21,9 @@ from bigfleet.security.limits import SESSION_STREAM_LIMIT
 from bigfleet.security.roles import SHARD_POLICY, RoleInterceptor
 from bigfleet.security.tls import TLSConfig, add_port
 from bigfleet.shard.cli import build_server, daemon_config
-from bigfleet.shard.ha.controller import HAController, register
+from bigfleet.shard.ha.controller import HAController, Heartbeats, register
 from bigfleet.shard.ha.node import ShardRaft, ShardRaftConfig
+from bigfleet.shard.handoff import LEDGER_FILE
 from bigfleet.shard.metrics import ShardMetrics
 
 PASSWORD_ENV = "BIGFLEET_SHARD_RAFT_PASSWORD"
@@ -29,27 +36,66 @@ def raft_password(flag: str | None, environ: Mapping[str, str] = os.environ) -> 
     return flag or environ.get(PASSWORD_ENV) or environ.get(SHARED_PASSWORD_ENV, "")
 
 
-async def serve_ha(settings: Any, tls: TLSConfig | None = None) -> int:
-    replica = settings.replica_id or settings.raft_bind
-    log = get_logger("bigfleet.shard.ha", shard=settings.shard_id, replica=replica)
+def loopback_address() -> str:
+    """A free loopback port for a group of one (no peer ever dials it; its name is not persisted
+    in a way that matters: a single member is always its own quorum)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def raft_member(settings: Any) -> tuple[str, list[str], str] | str:
+    """(bind address, peers, password) of this replica's Raft member, or why it cannot start."""
+    if not settings.raft_bind:
+        # A group of one: nothing but this process can reach the loopback port, so a password
+        # nobody knows is as good as a shared one.
+        return loopback_address(), [], raft_password(settings.raft_password) or secrets.token_hex(24)
     password = raft_password(settings.raft_password)
     if not password:
         # pysyncobj's transport is pickle: without the password anyone reaching the port runs code.
-        log.error(f"a Raft password is required (--raft-password, {PASSWORD_ENV} or {SHARED_PASSWORD_ENV})")
+        return f"a Raft password is required (--raft-password, {PASSWORD_ENV} or {SHARED_PASSWORD_ENV})"
+    peers = [p.strip() for p in (settings.raft_peers or "").split(",") if p.strip()]
+    return settings.raft_bind, peers, password
+
+
+async def serve(settings: Any, tls: TLSConfig | None = None) -> int:
+    replica = settings.replica_id or settings.raft_bind or "single"
+    log = get_logger("bigfleet.shard", shard=settings.shard_id, replica=replica)
+    member = raft_member(settings)
+    if isinstance(member, str):
+        log.error(member)
         return 2
-    peers = [p.strip() for p in settings.raft_peers.split(",") if p.strip()]
+    bind, peers, password = member
+    data_dir = Path(settings.data_dir)
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        log.error("cannot use the data dir", data_dir=str(data_dir), error=str(exc))
+        return 1
+    epoch_file = data_dir / "epoch"
+    if epoch_file.exists() and not epoch_file.read_text().strip().isdigit():
+        # Guessing would risk leading with an epoch a previous incarnation already used.
+        log.error("corrupt epoch file; refusing to start", path=str(epoch_file))
+        return 1
     registry = new_registry(process_metrics=True)
     metrics = ShardMetrics(registry)
     session_limits = {"/bigfleet.v1alpha1.Shard/Session": SESSION_STREAM_LIMIT}
     server, health = build_server(
         RoleInterceptor(SHARD_POLICY, registry=registry, component="shard", stream_limits=session_limits)
     )
-    raft = ShardRaft(ShardRaftConfig(settings.raft_bind, peers, Path(settings.data_dir), password))
-    ctrl = HAController(raft, daemon_config(settings, 0), metrics, health,
-                        advertise=settings.advertise or settings.listen, tls=tls, registry=registry,
-                        epoch_file=Path(settings.data_dir) / "epoch")
+    raft = ShardRaft(ShardRaftConfig(bind, peers, data_dir, password))
+    coord_client = None
+    heartbeats = None
+    if settings.coordinator:
+        from bigfleet.coordinator.client import CoordinatorClient
+
+        coord_client = CoordinatorClient([a for a in settings.coordinator.split(",") if a.strip()], tls=tls)
+        heartbeats = Heartbeats(coord_client, settings.heartbeat_interval, data_dir / "coordinator-client.json")
+    advertise = settings.advertise or settings.listen
+    ctrl = HAController(raft, daemon_config(settings, 0), metrics, health, advertise=advertise, tls=tls,
+                        registry=registry, epoch_file=epoch_file, heartbeats=heartbeats,
+                        legacy_ledger=data_dir / LEDGER_FILE)
     register(server, ctrl)
-    coord_client = _wire_heartbeats(settings, ctrl, tls) if settings.coordinator else None
     try:
         port = add_port(server, settings.listen, tls)
     except OSError as exc:
@@ -58,20 +104,24 @@ async def serve_ha(settings: Any, tls: TLSConfig | None = None) -> int:
         return 1
     await server.start()
     metrics_server = start_metrics_server(settings.metrics_listen, registry) if settings.metrics_listen else None
-    log.info("shard replica serving", listen=settings.listen, port=port, raft=settings.raft_bind, peers=peers)
-    runner = asyncio.create_task(ctrl.run(), name="shard-ha-leadership")
+    dashboard = await _start_dashboard(settings, ctrl, log)
+    log.info("shard replica serving", listen=settings.listen, port=port, raft=bind, peers=peers,
+             provider=settings.provider, ownership=settings.ownership, paused=settings.paused,
+             dry_run=settings.dry_run, dashboard_port=dashboard.port if dashboard is not None else None)
+    runner = asyncio.create_task(ctrl.run(), name="shard-leadership")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("shutting down")
-    runner.cancel()
-    with contextlib.suppress(BaseException):
-        await runner
     await health.enter_graceful_shutdown()
+    runner.cancel()
+    await asyncio.gather(runner, return_exceptions=True)
     await ctrl.stop()
     await server.stop(grace=2.0)
+    if dashboard is not None:
+        await dashboard.stop()
     raft.destroy()
     if coord_client is not None:
         await coord_client.close()
@@ -81,29 +131,18 @@ async def serve_ha(settings: Any, tls: TLSConfig | None = None) -> int:
     return 0
 
 
-def _wire_heartbeats(settings: Any, ctrl: HAController, tls: TLSConfig | None) -> Any:
-    """Only the leader reports to the coordinator, with its own epoch; a new loop per leadership."""
-    from bigfleet.coordinator.client import BaseInstructionHandler, CoordinatorClient, HeartbeatLoop
-    from bigfleet.shard.daemon import ShardDaemon
+async def _start_dashboard(settings: Any, ctrl: HAController, log: Any) -> Any:
+    """The read-only dashboard on every replica: the leader's data, or a page naming the leader."""
+    if not settings.http_listen:
+        return None
+    from bigfleet.dashboard import DashboardServer
+    from bigfleet.dashboard.sources import ReplicaSource
 
-    client = CoordinatorClient([a for a in settings.coordinator.split(",") if a.strip()], tls=tls)
-    running: list[asyncio.Task[None]] = []
-
-    def start(daemon: ShardDaemon) -> None:
-        hb = HeartbeatLoop(
-            client, settings.shard_id, daemon.build_report, BaseInstructionHandler(),
-            interval=settings.heartbeat_interval, shard_address=settings.advertise or settings.listen,
-            shard_epoch=ctrl.epoch, state_file=Path(settings.data_dir) / "coordinator-client.json",
-        )
-        daemon.term_source = hb.gate
-        running.append(asyncio.get_running_loop().create_task(hb.run(), name="coordinator-heartbeat"))
-
-    async def stop() -> None:
-        while running:
-            t = running.pop()
-            t.cancel()
-            await asyncio.gather(t, return_exceptions=True)
-
-    ctrl.on_lead.append(start)
-    ctrl.on_step_down.append(stop)
-    return client
+    source = ReplicaSource(settings.shard_id, lambda: ctrl.dashboard_source, ctrl.leader_hint)
+    dashboard = DashboardServer(source, settings.http_listen)
+    try:
+        await dashboard.start()
+    except (OSError, ValueError) as exc:
+        log.error("cannot listen for the dashboard", http_listen=settings.http_listen, error=str(exc))
+        return None
+    return dashboard

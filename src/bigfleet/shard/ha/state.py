@@ -1,13 +1,16 @@
-"""The replicated state machine of a shard replica group (pure: no I/O, no clock, no threads).
+"""The shard's one replicated state machine (pure: no I/O, no clock, no threads).
 
-What a standby must hold to take over without waiting for the next roll-ups: every cluster's last
-accepted roll-up (kept as the wire bytes, decoded only by the replica that becomes leader), the
-clusters that have spoken (the Phase 3 gate), the engine's carried state, and the shard epoch.
-Every command is idempotent or guarded so a retried write is harmless.
+Everything that must outlive a process or a leader: every cluster's last accepted roll-up (kept as
+wire bytes, decoded only by the replica that becomes leader), the clusters that have spoken (the
+Phase 3 gate), the engine's carried state, the shard epoch, the ownership ledger of cross-shard
+handoffs, and the runtime actuation switch. A single-replica shard runs this same machine in a Raft
+group of one. Every command is idempotent and, except ``claim``, guarded by the epoch it was
+issued under, so a deposed leader's late write never lands.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from bigfleet.decision.types import EngineState
@@ -18,6 +21,48 @@ class Rollup:
     data: bytes  # a serialized ClusterCapacityNeeds
     received_unix_nanos: int
     seq: int  # the roll-up's sequence in the replicated log order (monotonic per cluster)
+
+
+@dataclass(frozen=True)
+class ReleasedCluster:
+    to_shard: str
+    address: str
+    machines: tuple[str, ...]
+
+
+@dataclass
+class Ledger:
+    """Which provider machines this shard handed away or received (the ownership rule reads it)."""
+
+    released: dict[str, str] = field(default_factory=dict)  # machine id -> cluster or "transfer:<id>"
+    adopted: set[str] = field(default_factory=set)
+    released_clusters: dict[str, ReleasedCluster] = field(default_factory=dict)
+
+    def release(self, machine_ids: Iterable[str], why: str) -> None:
+        for mid in machine_ids:
+            self.released[mid] = why
+            self.adopted.discard(mid)
+
+    def adopt(self, machine_ids: Iterable[str], cluster_id: str = "") -> None:
+        for mid in machine_ids:
+            self.released.pop(mid, None)
+            self.adopted.add(mid)
+        if cluster_id:
+            self.released_clusters.pop(cluster_id, None)
+
+    def released_for(self, why: str) -> list[str]:
+        return sorted(k for k, w in self.released.items() if w == why)
+
+    def copy(self) -> Ledger:
+        return Ledger(dict(self.released), set(self.adopted), dict(self.released_clusters))
+
+
+@dataclass(frozen=True)
+class Actuation:
+    """The runtime kill switch (ShardAdmin.SetActuation / bigfleetctl pause); None = never set."""
+
+    paused: bool
+    dry_run: bool
 
 
 @dataclass
@@ -31,6 +76,8 @@ class HAState:
     leader_node: str = ""
     leader_advertise: str = ""
     replaces: int = 0
+    ledger: Ledger = field(default_factory=Ledger)
+    actuation: Actuation | None = None
 
     def replace(self, cluster_id: str, data: bytes, now_unix_nanos: int, epoch: int) -> bool:
         """Store the cluster's newest roll-up; refused (False) from a leader whose epoch is stale."""
@@ -42,9 +89,12 @@ class HAState:
         return True
 
     def forget(self, cluster_id: str, epoch: int) -> bool:
+        """The cluster left this shard: its demand, its gate flag and its carried engine state go."""
         if epoch != self.epoch:
             return False
         self.rollups.pop(cluster_id, None)
+        self.first_rollup.discard(cluster_id)
+        self.engine = self.engine.forget_cluster(cluster_id)
         return True
 
     def save_engine(self, state: EngineState, version: int, epoch: int) -> bool:
@@ -59,7 +109,7 @@ class HAState:
         """A new leader takes the shard: one epoch bump per Raft term. Retrying the same claim
         returns the same epoch; a claim from an older term, or a second node in the same term,
         gets 0 (refused). ``floor`` is the highest epoch the claimant knows was used (its data
-        dir's epoch file), so a group built over single-replica data dirs never goes backwards."""
+        dir's epoch file), so a group built over older data dirs never goes backwards."""
         if raft_term > self.claim_term:
             self.claim_term = raft_term
             self.epoch = max(self.epoch, floor) + 1
@@ -71,6 +121,52 @@ class HAState:
             return self.epoch
         return 0
 
+    # -- ownership ledger (cross-shard handoff) ------------------------------------------------
+
+    def release_cluster(self, cluster_id: str, machine_ids: tuple[str, ...], to_shard: str, address: str,
+                        epoch: int) -> tuple[str, ...] | None:
+        """Hand a cluster and its machines away; a repeat returns what the first release recorded."""
+        if epoch != self.epoch or not cluster_id:
+            return None
+        prev = self.ledger.released_clusters.get(cluster_id)
+        if prev is not None:
+            return prev.machines
+        ids = tuple(sorted(set(machine_ids)))
+        self.ledger.released_clusters[cluster_id] = ReleasedCluster(to_shard, address, ids)
+        self.ledger.release(ids, cluster_id)
+        self.rollups.pop(cluster_id, None)
+        self.first_rollup.discard(cluster_id)
+        self.engine = self.engine.forget_cluster(cluster_id)
+        return ids
+
+    def release_machines(self, machine_ids: tuple[str, ...], why: str, epoch: int) -> tuple[str, ...] | None:
+        """Hand machines away under ``why`` ("transfer:<id>"); a repeat returns the first answer."""
+        if epoch != self.epoch or not why:
+            return None
+        again = self.ledger.released_for(why)
+        if again:
+            return tuple(again)
+        self.ledger.release(machine_ids, why)
+        return tuple(machine_ids)
+
+    def adopt(self, machine_ids: tuple[str, ...], cluster_id: str, epoch: int) -> bool:
+        if epoch != self.epoch:
+            return False
+        self.ledger.adopt(machine_ids, cluster_id)
+        return True
+
+    def set_actuation(self, paused: bool, dry_run: bool, epoch: int) -> bool:
+        if epoch != self.epoch:
+            return False
+        self.actuation = Actuation(paused, dry_run)
+        return True
+
     def carried(self) -> EngineState:
         """The engine state a new leader starts from, with every cluster that spoke marked."""
         return self.engine.with_first_rollups(self.first_rollup - self.engine.first_rollup)
+
+    def copy(self) -> HAState:
+        """A copy a new leader can read from without the apply lock (the big values are immutable)."""
+        return HAState(dict(self.rollups), set(self.first_rollup), self.engine, self.engine_version, self.epoch,
+                       self.claim_term, self.leader_node, self.leader_advertise, self.replaces, self.ledger.copy(),
+                       self.actuation)
