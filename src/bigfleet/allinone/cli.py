@@ -1,6 +1,11 @@
 """`bigfleet all-in-one`: coordinator, fake provider and shard as supervised processes, plus N simulated
 clusters whose operators speak the real Session protocol; a live view, and a summary at the end.
 
+The wiring is production's: each simulated operator is given the coordinator address(es) and finds
+(on first contact: is placed on) its shard through ``Coordinator.LookupCluster`` with the real
+operator's resolver, so ``bigfleetctl`` sees every cluster bound. The shard serves the read-only
+dashboard on loopback. Start-up prints the dashboard URL and the ``bigfleetctl`` commands to try.
+
 The demand comes from a built-in workload scenario (steady services, batch bursts, a rack gang,
 spot-tolerant jobs, a priority spike that forces preemption, withdrawals) or ``--scenario FILE``
 (the simulator's YAML format; one scenario cycle = one ``--tick``).
@@ -11,7 +16,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import shlex
+import shutil
 import signal
+import socket
 import sys
 import time
 from collections import Counter
@@ -20,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bigfleet.allinone.fleet import Fleet, FleetSpec
-from bigfleet.allinone.operators import WireOperator
+from bigfleet.allinone.operators import SimCoordinatorResolver, WireOperator
 from bigfleet.observability import configure_logging
 from bigfleet.sim.harness import SimCluster
 from bigfleet.sim.scenario import Scenario, ScenarioError, load, mixed_fleet
@@ -42,12 +50,50 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="auto: run every hop with mTLS, certificates issued by a local CA into --tls-dir")
     p.add_argument("--tls-dir", default="",
                    help="PKI directory for --tls auto (default <workdir>/pki); an existing ca.crt/ca.key is reused")
+    p.add_argument("--dashboard-port", type=int, default=0, metavar="PORT",
+                   help="port of the shard's read-only dashboard on 127.0.0.1 (default: a free port)")
     a = p.parse_args(argv)
     if a.tls_dir and a.tls != "auto":
         p.error("--tls-dir needs --tls auto")
     if a.clusters < 1 or a.duration <= 0 or a.tick <= 0:
         p.error("--clusters, --duration and --tick must be positive")
+    if not 0 <= a.dashboard_port <= 65535:
+        p.error("--dashboard-port must be 0 (a free port) or a port number")
+    if a.dashboard_port and not _port_free(a.dashboard_port):
+        p.error(f"--dashboard-port {a.dashboard_port}: 127.0.0.1:{a.dashboard_port} is already in use")
     return a
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def bigfleetctl_prefix(fleet: Fleet) -> list[str]:
+    """How to run this build's bigfleetctl against the fleet: the program, ``--coordinator`` and, under
+    mTLS, the admin certificate (global flags, so they go before the command)."""
+    sibling = Path(sys.executable).parent / "bigfleetctl"  # the same virtualenv's script
+    on_path = shutil.which("bigfleetctl")
+    prog: list[str]
+    if sibling.is_file():
+        same = on_path is not None and Path(on_path).resolve() == sibling.resolve()
+        prog = ["bigfleetctl"] if same else [str(sibling)]
+    elif on_path:
+        prog = ["bigfleetctl"]
+    else:
+        prog = [sys.executable, "-m", "bigfleet.ctl.main"]
+    return [*prog, "--coordinator", ",".join(fleet.coordinators), *fleet.tls_flags("admin")]
+
+
+def try_commands(fleet: Fleet, cluster_id: str) -> list[str]:
+    """The bigfleetctl commands start-up suggests (each ready to paste)."""
+    pre = bigfleetctl_prefix(fleet)
+    return [shlex.join([*pre, *rest]) for rest in
+            (["clusters"], ["needs", "--cluster", cluster_id], ["shards"], ["inventory"])]
 
 
 @dataclass
@@ -67,6 +113,11 @@ class Snapshot:
     double_assigned: int = 0
     restarts: dict[str, int] = field(default_factory=dict)
     shards_registered: int = -1  # -1: the coordinator did not answer
+    bindings: dict[str, str] | None = None  # cluster -> shard on the coordinator; None: it did not answer
+
+    def bound(self, ops: list[WireOperator]) -> int:
+        """How many of these clusters the coordinator has placed on a shard."""
+        return sum(1 for o in ops if o.cluster_id in (self.bindings or {}))
 
 
 def bound_report(ops: list[WireOperator]) -> tuple[int, int]:
@@ -79,15 +130,17 @@ def bound_report(ops: list[WireOperator]) -> tuple[int, int]:
     return configured, sum(1 for n in owners.values() if n > 1)
 
 
-def render_plain(s: Snapshot) -> str:
+def render_plain(s: Snapshot, ops: list[WireOperator]) -> str:
     st = " ".join(f"{k}={s.states.get(k, 0)}" for k in STATES if s.states.get(k, 0))
     acts = " ".join(f"{k}={v}" for k, v in sorted(s.actions_last.items())) or "-"
+    bound = "?" if s.bindings is None else str(s.bound(ops))
     return (f"[{s.elapsed:6.1f}s] cycle={s.cycle} machines={s.total} {st} | needs={s.needs} "
             f"demand~{s.demand} machines shortfalls={s.shortfalls} in-flight={s.inflight} | "
-            f"actions since last: {acts} | clusters connected={s.connected} | coordinator shards={s.shards_registered}")
+            f"actions since last: {acts} | clusters connected={s.connected} bound={bound} | "
+            f"coordinator shards={s.shards_registered}")
 
 
-def render_rich(s: Snapshot, ops: list[WireOperator], duration: float) -> Any:
+def render_rich(s: Snapshot, ops: list[WireOperator], duration: float, subtitle: str = "") -> Any:
     from rich.console import Group
     from rich.panel import Panel
     from rich.table import Table
@@ -100,24 +153,26 @@ def render_rich(s: Snapshot, ops: list[WireOperator], duration: float) -> Any:
     head.add_row(f"[b]t[/b] {s.elapsed:5.0f}s / {duration:.0f}s", f"[b]cycle[/b] {s.cycle}",
                  f"[b]needs[/b] {s.needs}", f"[b]shortfalls[/b] {s.shortfalls}", f"[b]in flight[/b] {s.inflight}",
                  f"[b]double-assigned[/b] {s.double_assigned}",
-                 f"[b]coordinator[/b] {'down' if s.shards_registered < 0 else f'{s.shards_registered} shard(s)'}")
+                 f"[b]coordinator[/b] {'down' if s.shards_registered < 0 else f'{s.shards_registered} shard(s)'}",
+                 f"[b]bound[/b] {'?' if s.bindings is None else s.bound(ops)}/{len(ops)}")
     acts = Table(title="Actions (since last refresh / total)", expand=True)
     for k in ("Create", "Configure", "Drain", "Delete"):
         acts.add_column(k, justify="right")
     acts.add_row(*(f"{s.actions_last.get(k, 0)} / {int(s.metrics.get('actions:' + k, 0))}"
                    for k in ("Create", "Configure", "Drain", "Delete")))
     cl = Table(title="Clusters", expand=True)
-    for col in ("cluster", "up", "workloads", "demand", "cfg", "boots", "reclaims"):
-        cl.add_column(col, justify="right" if col != "cluster" else "left")
+    for col in ("cluster", "shard", "up", "workloads", "demand", "cfg", "boots", "reclaims"):
+        cl.add_column(col, justify="left" if col in ("cluster", "shard") else "right")
     cycle = s.cycle
     for op in ops[:12]:
         m = op.model
-        cl.add_row(m.cluster_id, "yes" if op.connected.is_set() else "[red]no[/red]",
+        cl.add_row(m.cluster_id, (s.bindings or {}).get(m.cluster_id, "-"),
+                   "yes" if op.connected.is_set() else "[red]no[/red]",
                    ",".join(w.name for w, _ in m.active(cycle)) or "-", str(m.demand_machines(cycle)),
                    str(sum(1 for st in m.nodes.values() if st == 5)), str(op.bootstraps), str(op.reclaims))
     if len(ops) > 12:
         cl.caption = f"... and {len(ops) - 12} more clusters"
-    return Panel(Group(head, inv, acts, cl), title="BigFleet all-in-one")
+    return Panel(Group(head, inv, acts, cl), title="BigFleet all-in-one", subtitle=subtitle or None)
 
 
 def summary(s: Snapshot, ops: list[WireOperator], wall: float) -> str:
@@ -133,7 +188,8 @@ def summary(s: Snapshot, ops: list[WireOperator], wall: float) -> str:
              f"shortfalls {s.shortfalls}",
              f"double-assigned machines: {s.double_assigned}",
              "coordinator: " + ("not answering" if s.shards_registered < 0
-                                else f"leader, {s.shards_registered} shard(s) registered"),
+                                else f"leader, {s.shards_registered} shard(s) registered"
+                                + ("" if s.bindings is None else f", {s.bound(ops)} of {len(ops)} clusters bound")),
              "daemon restarts: " + (", ".join(f"{k} {v}" for k, v in s.restarts.items() if v) or "none"),
              "result: " + ("OK" if s.double_assigned == 0 else "PROBLEM (a machine is claimed by two clusters)")]
     return "\n".join(lines)
@@ -152,6 +208,8 @@ async def observe(fleet: Fleet, ops: list[WireOperator], cycle: int, started: fl
         s.metrics = await asyncio.to_thread(fleet.metrics)
     with contextlib.suppress(Exception):
         s.shards_registered = await fleet.shards_registered()
+    with contextlib.suppress(Exception):
+        s.bindings = await fleet.bindings()
     for k, v in s.metrics.items():
         if k.startswith("actions:"):
             d = int(v - prev.get(k, 0))
@@ -169,13 +227,13 @@ async def run(args: argparse.Namespace, scenario: Scenario) -> int:
     spec = FleetSpec(committed=scenario.committed, speculative=scenario.speculative,
                      cycle_interval=max(0.5, args.tick), tls=args.tls == "auto",
                      pki_dir=Path(args.tls_dir) if args.tls_dir else None,
-                     cluster_ids=tuple(sorted(scenario.clusters)))
+                     cluster_ids=tuple(sorted(scenario.clusters)), dashboard_port=args.dashboard_port)
     fleet = Fleet(spec)
     print(f"starting coordinator, fake provider ({scenario.committed} hosts + {scenario.speculative} quota slots) "
           f"and shard; logs in {spec.workdir / 'logs'}", flush=True)
     if spec.tls:
         print(f"mTLS on every hop; certificates in {spec.pki} (bigfleetctl: --tls-cert {spec.pki / 'admin.crt'} "
-              f"--tls-key {spec.pki / 'admin.key'} --tls-ca {spec.pki / 'ca.crt'})", flush=True)
+              f"--tls-key {spec.pki / 'admin.key'} --tls-ca {spec.pki / 'ca.crt'}, before the command)", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -185,20 +243,30 @@ async def run(args: argparse.Namespace, scenario: Scenario) -> int:
     snap = Snapshot()
     try:
         await asyncio.to_thread(fleet.start)
-        ops = [WireOperator(SimCluster(cid, ws), fleet.addrs["shard"], fleet.tls_for(f"cluster-{cid}"))
-               for cid, ws in sorted(scenario.clusters.items())]
+        # Production wiring: each operator is given the coordinator(s), not the shard, and is placed
+        # on a shard by its first LookupCluster (with its own cluster certificate under mTLS).
+        ops = []
+        for cid, ws in sorted(scenario.clusters.items()):
+            tls = fleet.tls_for(f"cluster-{cid}")
+            ops.append(WireOperator(SimCluster(cid, ws), SimCoordinatorResolver(cid, fleet.coordinators, tls), tls))
         for op in ops:
             op.start()
         print(f"fleet up: shard {fleet.addrs['shard']}, coordinator {fleet.addrs['coordinator']}, "
-              f"provider {fleet.addrs['provider']}; {len(ops)} simulated clusters"
+              f"provider {fleet.addrs['provider']}; {len(ops)} simulated clusters placed through the coordinator"
               + (" (mTLS)" if spec.tls else ""), flush=True)
+        dashboard_up = await asyncio.to_thread(fleet.wait_dashboard)
+        print(f"dashboard: {fleet.dashboard_url}" if dashboard_up else
+              f"dashboard: not answering at {fleet.dashboard_url} (see {spec.workdir / 'logs'})", flush=True)
+        print("try, while it runs:", *(f"  {c}" for c in try_commands(fleet, ops[0].cluster_id if ops else "CLUSTER")), sep="\n",
+              flush=True)
+        subtitle = f"dashboard {fleet.dashboard_url}"
         started = time.monotonic()
         cycle, prev, last_print = 0, dict[str, float](), 0.0
         live: Any = None
         if not plain:
             from rich.live import Live
 
-            live = Live(render_rich(snap, ops, args.duration), refresh_per_second=2)
+            live = Live(render_rich(snap, ops, args.duration, subtitle), refresh_per_second=2)
             live.start()
         try:
             while not stop.is_set() and time.monotonic() - started < args.duration:
@@ -215,11 +283,11 @@ async def run(args: argparse.Namespace, scenario: Scenario) -> int:
                 snap = await observe(fleet, ops, cycle, started, prev)
                 if plain:
                     if snap.elapsed - last_print >= args.print_every:
-                        print(render_plain(snap), flush=True)
+                        print(render_plain(snap, ops), flush=True)
                         last_print = snap.elapsed
                         prev = dict(snap.metrics)
                 else:
-                    live.update(render_rich(snap, ops, args.duration))
+                    live.update(render_rich(snap, ops, args.duration, subtitle))
                     prev = dict(snap.metrics)
                 cycle += 1
                 with contextlib.suppress(TimeoutError):

@@ -5,6 +5,8 @@ when ``pki_dir`` already holds one) issues ``shard-<id>`` for the shard (its cer
 what it presents to the provider and the coordinator), ``cluster-<id>`` for each simulated
 operator, ``admin`` for the coordinator and for this process's own reads, ``readonly`` for the
 provider's server side.
+
+The shard serves the read-only dashboard (``--http-listen``) on loopback: ``dashboard_url``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from bigfleet.testing import ManagedProcess, free_port
 from bigfleet.v1alpha1 import shardread_pb2, shardread_pb2_grpc
 
 SHARD_ID = "shard-1"
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes through a proxy
 
 
 @dataclass
@@ -40,6 +43,8 @@ class FleetSpec:
     pki_dir: Path | None = None
     # Simulated clusters: each gets its own cluster certificate under TLS.
     cluster_ids: tuple[str, ...] = ()
+    # The shard's dashboard port on 127.0.0.1 (0: a free one).
+    dashboard_port: int = 0
 
     @property
     def pki(self) -> Path:
@@ -64,7 +69,8 @@ class Fleet:
         d = self.spec.pki
         return TLSConfig.from_paths(d / f"{stem}.crt", d / f"{stem}.key", d / "ca.crt")
 
-    def _tls_flags(self, stem: str) -> list[str]:
+    def tls_flags(self, stem: str) -> list[str]:
+        """``--tls-cert/--tls-key/--tls-ca`` of one identity; [] in plaintext."""
         if not self.spec.tls:
             return []
         d = self.spec.pki
@@ -73,7 +79,8 @@ class Fleet:
     def start(self) -> None:
         sp, logs = self.spec, self.spec.workdir / "logs"
         self.addrs = {"provider": self._addr(), "coordinator": self._addr(), "raft": self._addr(),
-                      "shard": self._addr(), "shard-metrics": self._addr()}
+                      "shard": self._addr(), "shard-metrics": self._addr(),
+                      "dashboard": f"127.0.0.1:{sp.dashboard_port}" if sp.dashboard_port else self._addr()}
         c, cf, dr, de = sp.dwell
         sp.workdir.mkdir(parents=True, exist_ok=True)
         pw = sp.workdir / "raft-password"
@@ -86,25 +93,69 @@ class Fleet:
             "--state-file", str(sp.workdir / "provider-state.json"),  # a restarted provider keeps its machines
             "--committed-count", str(sp.committed), "--create-delay", str(c), "--configure-delay", str(cf),
             "--drain-delay", str(dr), "--delete-delay", str(de), "--log-format", "console", "--log-level", "warning",
-            *self._tls_flags("readonly"),
+            *self.tls_flags("readonly"),
         ]
         self.argv["coordinator"] = [
             "coordinator", "--node-id", "coord-1", "--listen", self.addrs["coordinator"],
             "--raft-bind", self.addrs["raft"], "--data-dir", str(sp.workdir / "coordinator"),
             "--raft-password-file", str(pw),
-            "--log-format", "console", "--log-level", "warning", *self._tls_flags("admin"),
+            "--log-format", "console", "--log-level", "warning", *self.tls_flags("admin"),
         ]
         self.argv["shard"] = [
             "shard", "--shard-id", SHARD_ID, "--listen", self.addrs["shard"], "--provider", self.addrs["provider"],
             "--coordinator", self.addrs["coordinator"], "--data-dir", str(sp.workdir / "shard"),
-            "--metrics-listen", self.addrs["shard-metrics"], "--cycle-interval", str(sp.cycle_interval),
+            "--metrics-listen", self.addrs["shard-metrics"], "--http-listen", self.addrs["dashboard"],
+            "--cycle-interval", str(sp.cycle_interval),
             "--execute-timeout", str(sp.execute_timeout), "--heartbeat-interval", "2",
-            "--log-format", "console", "--log-level", "warning", *self._tls_flags(f"shard-{SHARD_ID}"),
+            "--log-format", "console", "--log-level", "warning", *self.tls_flags(f"shard-{SHARD_ID}"),
         ]
         for name in ("provider", "coordinator", "shard"):
             self.procs[name] = ManagedProcess.bigfleet(self.argv[name], name, log_dir=logs).start()
             self.restarts[name] = 0
             self._wait_up(name)
+        self._wait_registered()
+
+    @property
+    def coordinators(self) -> tuple[str, ...]:
+        """The coordinator address(es) operators and bigfleetctl are given (one replica here)."""
+        return (self.addrs["coordinator"],)
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://{self.addrs['dashboard']}/"
+
+    def _wait_registered(self, timeout: float = 60.0) -> None:
+        """Until the coordinator lists the shard: before that a cluster's LookupCluster finds no live shard."""
+        from bigfleet.v1alpha1 import coordinator_pb2, coordinator_pb2_grpc
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with dial_sync(self.addrs["coordinator"], self.tls_for("admin")) as ch:
+                    r = coordinator_pb2_grpc.CoordinatorStub(ch).ListShards(coordinator_pb2.ListShardsRequest(),
+                                                                            timeout=2.0)
+                if any(s.shard_id == SHARD_ID for s in r.shards):
+                    return
+            except Exception:  # no leader yet, or the shard has not reported
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the shard did not register with the coordinator within {timeout:g}s:\n"
+                                   f"{self.procs['shard'].logs()[-2000:]}")
+            time.sleep(0.2)
+
+    def wait_dashboard(self, timeout: float = 20.0) -> bool:
+        """True once the dashboard answers (the shard opens it after its first reconcile)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with _NO_PROXY.open(f"{self.dashboard_url}healthz", timeout=2) as resp:
+                    if resp.status == 200:
+                        return True
+            except Exception:
+                pass
+            if time.monotonic() > deadline or not self.procs["shard"].alive():
+                return False
+            time.sleep(0.2)
 
     def _wait_up(self, name: str, timeout: float = 90.0) -> None:
         """Health SERVING, or a clear error with the daemon's last log lines if it exited first."""
@@ -164,6 +215,15 @@ class Fleet:
         async with dial(self.addrs["coordinator"], self.tls_for("admin")) as ch:
             r = await coordinator_pb2_grpc.CoordinatorStub(ch).ListShards(coordinator_pb2.ListShardsRequest(), timeout=5)
             return len(r.shards)
+
+    async def bindings(self) -> dict[str, str]:
+        """cluster -> shard id, as the coordinator holds them (what ``bigfleetctl clusters`` lists)."""
+        from bigfleet.v1alpha1 import coordinator_pb2, coordinator_pb2_grpc
+
+        async with dial(self.addrs["coordinator"], self.tls_for("admin")) as ch:
+            r = await coordinator_pb2_grpc.CoordinatorStub(ch).ListClusterBindings(
+                coordinator_pb2.ListClusterBindingsRequest(), timeout=5)
+            return {b.cluster_id: b.shard_id for b in r.bindings}
 
     def metrics(self) -> dict[str, float]:
         """Shard counters worth showing, flattened as ``name{label}`` -> value."""

@@ -4,17 +4,28 @@ Each one owns a ``SimCluster`` demand model (the simulator's): every tick it
 rolls up its whole current demand, answers bootstrap pulls and reclaim
 instructions, and follows its nodes from NodeStateUpdates. It reconnects
 after a lost stream, as a real operator does.
+
+It finds its shard as ``bigfleet operator --coordinator ...`` does, through the operator's own
+``CoordinatorResolver``: ``Coordinator.LookupCluster`` on each coordinator address in turn (which
+places the cluster on a shard on first contact), the last answer reused while no coordinator
+answers, and a shard's ``bigfleet-redirect`` trailer followed once. Only the resolver's cache
+differs: a real operator keeps it in a ConfigMap; a simulated cluster has no Kubernetes API, so
+it stays in memory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import grpc
 
 from bigfleet.observability import get_logger
+from bigfleet.operator.app import CoordinatorResolver
+from bigfleet.operator.session import REDIRECT_METADATA_KEY, Resolver
 from bigfleet.security import TLSConfig, dial
 from bigfleet.sim.harness import BLOB, SimCluster
 from bigfleet.v1alpha1 import provider_pb2, shard_pb2, shard_pb2_grpc
@@ -23,10 +34,33 @@ log = get_logger("bigfleet.allinone.operator")
 S = provider_pb2.MachineState
 
 
+class _NoKubernetesAPI:
+    """Stands in for the Kubernetes API client of the resolver's ConfigMap cache, which
+    :class:`SimCoordinatorResolver` replaces; nothing ever calls it."""
+
+
+class SimCoordinatorResolver(CoordinatorResolver):
+    """The operator's ``CoordinatorResolver`` with its shard-address cache in memory instead of the
+    ``bigfleet-operator-shard`` ConfigMap (lookup, placement, fallback and redirects unchanged)."""
+
+    def __init__(self, cluster_id: str, coordinators: Sequence[str], tls: TLSConfig | None = None,
+                 timeout: float = 5.0) -> None:
+        super().__init__(cluster_id, tuple(coordinators), cast(Any, _NoKubernetesAPI()), namespace="",
+                         timeout=timeout, tls=tls)
+
+    async def _read_cache(self) -> str | None:
+        return self.cached  # ``resolve`` keeps the last answer in ``cached``: that is the whole cache
+
+    async def _write_cache(self, addr: str) -> None:
+        return None
+
+
 @dataclass
 class WireOperator:
     model: SimCluster
-    target: str
+    # Where the shard is found: a SimCoordinatorResolver (production wiring) or the operator's
+    # StaticResolver (``--shard-addr``).
+    resolver: Resolver
     # mTLS with this cluster's own certificate (the shard pins a Session to the cluster it names).
     tls: TLSConfig | None = None
     rollups: int = 0
@@ -35,6 +69,7 @@ class WireOperator:
     connects: int = 0
     cut_off: bool = False
     last_error: str = ""
+    shard: str = ""  # the shard address of the current (or last) Session
     _out: asyncio.Queue[shard_pb2.OperatorMessage] = field(default_factory=asyncio.Queue)
     _task: asyncio.Task[None] | None = None
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
@@ -75,6 +110,11 @@ class WireOperator:
                 raise
             except grpc.aio.AioRpcError as exc:
                 self.last_error = f"{exc.code().name}: {exc.details()}"
+                redirect = _redirect(exc.trailing_metadata())
+                if redirect and redirect != self.shard:
+                    self.resolver.redirect(redirect)  # as the operator does: redial there at once
+                    self.connected.clear()
+                    continue
             except Exception as exc:  # keep the simulated cluster alive whatever happened
                 self.last_error = str(exc)
                 log.warning("operator session error", cluster=self.cluster_id, error=str(exc))
@@ -91,7 +131,9 @@ class WireOperator:
             self._cut.clear()
 
     async def _session(self) -> None:
-        async with dial(self.target, self.tls) as ch:
+        target = await self.resolver.resolve()  # every (re)connect asks again, as the operator does
+        self.shard = target
+        async with dial(target, self.tls) as ch:
             call = shard_pb2_grpc.ShardStub(ch).Session()
             await call.write(shard_pb2.OperatorMessage(
                 hello=shard_pb2.Hello(cluster_id=self.cluster_id, protocol_version="v1alpha1")))
@@ -141,3 +183,11 @@ class WireOperator:
             ri = msg.reclaim_instruction
             self._out.put_nowait(shard_pb2.OperatorMessage(reclaim_ack=shard_pb2.ReclaimAck(
                 instruction_id=ri.instruction_id, nodes_started=len(ri.nodes))))
+
+
+def _redirect(md: Any) -> str:
+    """The ``bigfleet-redirect`` trailer a shard ends a Session with, if any."""
+    for k, v in md or ():
+        if k == REDIRECT_METADATA_KEY and v:
+            return str(v)
+    return ""
