@@ -13,8 +13,8 @@ import pytest
 from bigfleet.coordinator.client import CoordinatorClient
 from bigfleet.coordinator.server import CoordinatorConfig, CoordinatorDaemon
 from bigfleet.testing import free_port
+from bigfleet.v1alpha1 import capacity_pb2, provider_pb2
 from bigfleet.v1alpha1 import coordinator_pb2 as pb
-from bigfleet.v1alpha1 import provider_pb2
 
 
 @pytest.fixture
@@ -180,3 +180,53 @@ async def test_heartbeat_loop_runs_a_handoff_while_a_drain_is_still_draining(
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await loop.client.close()
+
+
+@pytest.mark.parametrize(
+    ("released", "second_kind"),
+    [
+        ([], "drain"),  # tier 1 found nothing matching: the next tick preempts on the donor
+        (["idle-gpu-0"], None),  # tier 1 moved a machine: nothing more this tick (cooldown)
+    ],
+    ids=["empty-release-escalates-to-tier-2", "matching-release-stays-tier-1"],
+)
+async def test_an_empty_tier1_release_escalates_to_a_drain(
+    coord: tuple[CoordinatorDaemon, CoordinatorClient], released: list[str], second_kind: str | None
+) -> None:
+    """The 2-shard report: "lo" holds the pool (a priority-1 000 cluster) and free machines of
+    other shapes; "hi" has an aged priority-2 000 000 shortfall. The leader's own loop: plan,
+    start, the donor's ack through ReportShard, plan again."""
+    d, c = coord
+    req = capacity_pb2.NodeSelectorRequirement(
+        key="node.kubernetes.io/instance-type", operator=capacity_pb2.NodeSelectorRequirement.OPERATOR_IN, values=["gpu-8"]
+    )
+    short = pb.Shortfall(requirements=[req], deficit=provider_pb2.Resources(resources={"gpu": "8"}), priority=2_000_000, age_cycles=20)
+    lo_summary = pb.ShardSummary(total_machines=40, free_machines=3)
+    await c.call("ReportShard", pb.ShardReport(shard_id="lo", cycle=1, summary=lo_summary))
+    await c.call("ReportShard", pb.ShardReport(shard_id="hi", cycle=1, summary=pb.ShardSummary(total_machines=4), shortfalls=[short]))
+
+    def transfers() -> list[tuple[str, str, str, str, int]]:
+        return d.r().read(
+            lambda st: [(t.kind, t.from_shard, t.to_shard, t.phase, t.preemptor_priority)
+                        for t in sorted(st.transfers.values(), key=lambda t: t.created_at_ns)]
+        )
+
+    # The donor has free machines, so tier 1 comes first even though the shortfall is past the drain age.
+    assert await d.rebalance_inventory_once() == 1
+    assert transfers() == [("inventory", "lo", "hi", "releasing", 2_000_000)]
+    [rel] = (await c.call("ReportShard", pb.ShardReport(shard_id="lo", cycle=2, summary=lo_summary))).instructions
+    assert rel.WhichOneof("payload") == "transfer_ownership"
+    ack = pb.InstructAck(instruction_id=rel.instruction_id, outcome=pb.InstructAck.OUTCOME_ACCEPTED, machine_ids=released)
+    await c.call("ReportShard", pb.ShardReport(shard_id="lo", cycle=3, summary=lo_summary, instruction_acks=[ack]))
+    if not released:
+        assert transfers()[0][3] == "done"
+        assert await d.rebalance_inventory_once() == 1
+        assert [t[:3] for t in transfers()] == [("inventory", "lo", "hi"), (second_kind, "lo", "hi")]
+        [drain] = (await c.call("ReportShard", pb.ShardReport(shard_id="lo", cycle=4, summary=lo_summary))).instructions
+        assert drain.cross_shard_drain.preemptor_priority == 2_000_000
+        assert list(drain.cross_shard_drain.requirements) == [req]
+        # The drain is in flight: no third transfer is started beside it.
+        assert await d.rebalance_inventory_once() == 0
+    else:
+        assert transfers()[0][3] == "adopting"
+        assert await d.rebalance_inventory_once() == 0

@@ -235,3 +235,38 @@ def test_abort_refused_once_machines_were_released() -> None:
     [rel] = st.pending("a")
     ack(st, "a", rel.instruction_id, ACCEPTED, ["m1"])
     assert st.apply({"op": "abort_transfer", "transfer_id": tid, "now": 5})["code"] == "conflict"
+
+
+def test_an_empty_inventory_release_records_the_donors_free_count() -> None:
+    """The rebalancer's memory of a fruitless donor lives in the replicated transfer (survives failover and restore)."""
+    st = FleetState()
+    hb(st, "d")
+    hb(st, "r")
+    cmd = {"op": "start_transfer", "transfer_id": "t", "kind": "inventory", "from": "d", "to": "r", "now": 1,
+           "requirements": [], "deficit": {"cpu": "8"}, "preemptor_priority": 7, "donor_free": 5}
+    st.apply(cmd)
+    assert st.transfers["t"].donor_free == 5  # the count the plan acted on
+    [rel] = st.pending("d")
+    empty_ack = {"op": "ack", "shard_id": "d", "now": 10, "free_machines": 4,
+                 "acks": [{"id": rel.instruction_id, "outcome": ACCEPTED, "reason": "", "machine_ids": []}]}
+    st.apply(empty_ack)
+    t = st.transfers["t"]
+    assert (t.phase, t.machine_ids, t.donor_free, t.preemptor_priority) == (DONE, [], 4, 7)  # the count beside the answer
+    # Idempotent: the same ack again (a lost callback's retry) changes nothing, even with another count.
+    st.apply({**empty_ack, "free_machines": 9})
+    assert t.donor_free == 4
+    # A refused release is recorded the same way; a release that moved machines is not touched.
+    st.apply({**cmd, "transfer_id": "t2", "donor_free": 6})
+    [rel2] = st.pending("d")
+    st.apply({**empty_ack, "free_machines": 2, "acks": [{"id": rel2.instruction_id, "outcome": FAILED, "reason": "x", "machine_ids": []}]})
+    assert (st.transfers["t2"].phase, st.transfers["t2"].donor_free) == ("aborted", 2)
+    st.apply({**cmd, "transfer_id": "t3", "donor_free": 6})
+    [rel3] = st.pending("d")
+    st.apply({**empty_ack, "free_machines": 1, "acks": [{"id": rel3.instruction_id, "outcome": ACCEPTED, "reason": "", "machine_ids": ["m"]}]})
+    assert (st.transfers["t3"].phase, st.transfers["t3"].donor_free) == (ADOPTING, 6)
+    # Snapshot round trip keeps it; a snapshot written before the field existed reads -1 (unknown).
+    data = json.loads(json.dumps(st.to_json()))
+    assert FleetState.from_json(data).to_json() == st.to_json()
+    for row in data["transfers"]:
+        del row["donor_free"]
+    assert FleetState.from_json(data).transfers["t"].donor_free == -1

@@ -23,7 +23,13 @@ from prometheus_client import Counter, Gauge
 
 from bigfleet.coordinator import snapshot as snap
 from bigfleet.coordinator.raft import RaftConfig, RaftError, RaftNode
-from bigfleet.coordinator.rebalance import ShardView, ShortfallView, cooling_shards, plan_inventory
+from bigfleet.coordinator.rebalance import (
+    FruitlessTransfer,
+    ShardView,
+    ShortfallView,
+    cooling_shards,
+    plan_inventory,
+)
 from bigfleet.coordinator.state import (
     ALREADY_EXISTS,
     CONFLICT,
@@ -373,20 +379,31 @@ class CoordinatorDaemon:
         now = time.time_ns()
         down_ns = int(self.cfg.down_after * 1e9)
 
-        def view(st: FleetState) -> tuple[list[str], set[str], dict[str, float]]:
+        def view(st: FleetState) -> tuple[list[str], set[str], dict[str, float], list[FruitlessTransfer]]:
             busy: set[str] = set()
             ended: dict[str, float] = {}
+            fruitless: list[FruitlessTransfer] = []
             for t in st.transfers.values():
                 if t.kind == KIND_CLUSTER:
                     continue
                 if t.phase in ("releasing", "adopting"):
                     busy.update((t.from_shard, t.to_shard))
+                elif not t.machine_ids:
+                    # Done with nothing handed over, refused, failed or aborted: remembered so
+                    # the planner asks another donor, or escalates, instead of asking again.
+                    # Nothing moved, so there is nothing to oscillate: no cooldown.
+                    fruitless.append(
+                        FruitlessTransfer(
+                            t.kind, t.from_shard, t.to_shard, t.preemptor_priority, t.requirements,
+                            t.updated_at_ns / 1e9, t.donor_free,
+                        )
+                    )
                 elif t.phase == DONE:
                     for s in (t.from_shard, t.to_shard):
                         ended[s] = max(ended.get(s, 0.0), t.updated_at_ns / 1e9)
-            return st.live_shards(now, down_ns), busy, ended
+            return st.live_shards(now, down_ns), busy, ended, fruitless
 
-        live, busy, ended = self.r().read(view)
+        live, busy, ended, fruitless = self.r().read(view)
         views = []
         for sid in live:
             rep = self.reports.get(sid)
@@ -403,7 +420,13 @@ class CoordinatorDaemon:
                     ],
                 )
             )
-        intents = plan_inventory(views, busy=busy, cooling=cooling_shards(ended, now / 1e9, self.cfg.transfer_cooldown))
+        intents = plan_inventory(
+            views,
+            busy=busy,
+            cooling=cooling_shards(ended, now / 1e9, self.cfg.transfer_cooldown),
+            fruitless=fruitless,
+            now=now / 1e9,
+        )
         for it in intents:
             cmd = {
                 "op": "start_transfer",
@@ -414,10 +437,14 @@ class CoordinatorDaemon:
                 "requirements": it.requirements,
                 "deficit": it.deficit,
                 "preemptor_priority": it.priority,
+                "donor_free": it.donor_free,
                 "now": now,
             }
             res = await self.write(cmd)
-            self.log.info("inventory transfer", kind=it.kind, donor=it.donor, recipient=it.recipient, result=res.get("code"))
+            self.log.info(
+                "inventory transfer", kind=it.kind, donor=it.donor, recipient=it.recipient, priority=it.priority,
+                result=res.get("code"),
+            )
         return len(intents)
 
     async def _join_loop(self) -> None:
@@ -514,7 +541,12 @@ class CoordinatorService(pbg.CoordinatorServicer):
                 {"id": a.instruction_id, "outcome": int(a.outcome), "reason": a.reason, "machine_ids": list(a.machine_ids)}
                 for a in request.instruction_acks
             ]
-            await d.write({"op": "ack", "shard_id": sid, "now": now, "acks": acks}, context)
+            ack_cmd: dict[str, Any] = {"op": "ack", "shard_id": sid, "now": now, "acks": acks}
+            if request.HasField("summary"):
+                # The free count beside an empty release: the rebalancer asks that donor
+                # again only once it has more free machines than this.
+                ack_cmd["free_machines"] = request.summary.free_machines
+            await d.write(ack_cmd, context)
         term = d.r().term()
         pending = d.r().read(lambda st: st.pending(sid))
         return pb.ReportAck(

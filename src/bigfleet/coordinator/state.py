@@ -97,6 +97,11 @@ class Transfer:
     adopter: str = ""
     release_instruction: str = ""
     adopt_instruction: str = ""
+    # Inventory/drain: the donor's free-machine count when it was asked, replaced by the
+    # count on the report that answered if the answer handed over nothing. The rebalancer
+    # re-asks a donor that came back empty once it has more free machines than this.
+    # A plain default (not a factory) so Transfers unpickled from an older Raft dump read -1.
+    donor_free: int = -1
 
 
 @dataclass
@@ -361,6 +366,7 @@ def _unassign_domain(st: FleetState, cmd: dict[str, Any]) -> dict[str, Any]:
 
 
 def _ack(st: FleetState, cmd: dict[str, Any]) -> dict[str, Any]:
+    """A shard's instruction outcomes; ``free_machines`` (optional) is its free count on the same report."""
     sid = str(cmd["shard_id"])
     now = int(cmd["now"])
     q = st.queues.get(sid, {})
@@ -393,6 +399,8 @@ def _ack(st: FleetState, cmd: dict[str, Any]) -> dict[str, Any]:
         ok = outcome == ACCEPTED
         reason = str(a.get("reason", ""))
         if t.phase == RELEASING and iid == t.release_instruction:
+            if t.kind != KIND_CLUSTER and not (ok and a.get("machine_ids")) and "free_machines" in cmd:
+                t.donor_free = int(cmd["free_machines"])  # the baseline for asking this donor again
             if not ok:
                 st._finish(t, ABORTED, now, f"release refused: {reason}")
                 continue
@@ -494,6 +502,7 @@ def _start_transfer(st: FleetState, cmd: dict[str, Any]) -> dict[str, Any]:
         deficit=dict(cmd.get("deficit", {})),
         preemptor_priority=int(cmd.get("preemptor_priority", 0)),
         adopter=to,
+        donor_free=int(cmd.get("donor_free", -1)),
     )
     st.transfers[tid] = t
     common = {"to_shard_id": to, "transfer_id": tid, "requirements": t.requirements, "deficit": t.deficit}
