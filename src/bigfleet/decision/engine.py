@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import heapq
 import math
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import groupby, islice, repeat
 from operator import attrgetter
@@ -37,6 +38,8 @@ from .index import (
     victim_order,
 )
 from .types import (
+    DRAIN_GRACE_DEFAULT_SECONDS,
+    DRAIN_GRACE_TIERS,
     REASON_IDLE,
     REASON_SPECULATIVE,
     Action,
@@ -897,8 +900,23 @@ def _acquire_all(cy: _Cycle, rows: list[_N]) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _victim_key(m: Machine) -> tuple[float, int, str]:
-    return (victim_score(m_interruption(m), m_reclamation(m), 0.0, m.shape.price_per_hour),
+#: the drain grace of each priority tier of `_grace_bounds` (the last tier is never a victim)
+_TIER_GRACE = (*(sec for _, sec in DRAIN_GRACE_TIERS), DRAIN_GRACE_DEFAULT_SECONDS)
+
+_VKey = tuple[float, int, str]
+
+
+def _grace_bounds(preemptor_priority: int) -> tuple[int, ...]:
+    """Stamped priorities below bound i (and not below bound i-1) drain with ``_TIER_GRACE[i]``
+    when this preemptor takes them; the last bound is the preemptor itself (strictly lower only)."""
+    return (*(preemptor_priority - above for above, _ in DRAIN_GRACE_TIERS), preemptor_priority)
+
+
+def _victim_key(m: Machine, grace_s: int) -> _VKey:
+    """Lowest first: the seeds' victim score with the drain grace the victim still has, then lower
+    stamped priority, then id. A CONFIGURED candidate has not started draining, so the grace it
+    still has is the whole grace its preempt Drain carries (docs/decision-engine.md, step 7)."""
+    return (victim_score(m_interruption(m), m_reclamation(m), grace_s, m.shape.price_per_hour),
             m.assignment.priority, m.id)
 
 
@@ -907,6 +925,7 @@ def _phase2(cy: _Cycle, rows: list[_N], config: EngineConfig, stats: dict[str, i
     actions: list[Action] = []
     victims: set[str] = set()
     ix = cy.ix
+    held = cy.held
     for n in rows:
         if not any(n.remaining) or n.parked or n.unmet_age < config.preempt_after_cycles:
             continue
@@ -916,37 +935,71 @@ def _phase2(cy: _Cycle, rows: list[_N], config: EngineConfig, stats: dict[str, i
             classes = next((cl for v, cl in cy.domains(n, n.same.key) if v == n.same_domain), [])
         else:
             classes = cy.eligible(n)
+        prio = n.prio
+        bounds = _grace_bounds(prio)
+
+        def tier_key(m: Machine, bounds: tuple[int, ...] = bounds) -> _VKey:
+            # `_victim_key` with the grace of the *stamped* priority's tier, inlined: this runs for
+            # every candidate the scan reads
+            q = m.assignment.priority
+            return (victim_score(m_interruption(m), m_reclamation(m), _TIER_GRACE[bisect_right(bounds, q)],
+                                 m.shape.price_per_hour), q, m.id)
+
         lists = []
         for c in classes:
             if c.idx not in ix.configured_by_class:
                 continue
-            lst, min_prio = victim_order(ix, c.idx, _victim_key)
-            if min_prio < n.prio:
+            lst = victim_order(ix, c.idx, bounds, tier_key)
+            if lst:
                 lists.append(lst)
         if not lists:
             continue
-        stream: Iterable[Machine] = lists[0] if len(lists) == 1 else heapq.merge(*lists, key=_victim_key)
-        for m in stream:
-            if not any(n.remaining):
-                break
-            stats["victims_scanned"] += 1
-            if m.id in victims or m.assignment.priority >= n.prio:
-                continue
-            h = cy.held.get(m.cluster)
-            holder = h.get(m.id) if h is not None else None
-            vprio = m.assignment.priority
-            if holder is not None:
-                if holder is n:
-                    continue
-                vprio = max(vprio, holder.prio)
-            if vprio >= n.prio or math.isinf(m_interruption(m)):
-                continue
+
+        def take(m: Machine, vprio: int, n: _N = n) -> None:
             victims.add(m.id)
             a = cy.alloc[ix.class_of_shape[m.shape]]
             n.victims += 1
             n.freed = _add(n.freed, a)
             n.remaining = _sub(n.remaining, a)
             actions.append(Drain(m.id, m.cluster, drain_grace_seconds(n.prio, vprio), n.prio, "preempt"))
+
+        # The lists are in stamped-tier key order. A machine credited this cycle to a need of its
+        # cluster with a higher priority than its stamp (still below this one) drains with that
+        # priority's grace, which may be longer: its true key is larger, so it waits in `later`
+        # until the stream has passed that key (every later machine's true key is at least its
+        # stream key). Keys are unique: they end in the machine id.
+        later: list[tuple[_VKey, Machine, int]] = []
+        stream: Iterable[Machine] = lists[0] if len(lists) == 1 else heapq.merge(*lists, key=tier_key)
+        for m in stream:
+            if not any(n.remaining):
+                break
+            stats["victims_scanned"] += 1
+            if m.id in victims:
+                continue
+            q = m.assignment.priority  # < prio: the lists hold only strictly lower stamps
+            vprio = q
+            h = held.get(m.cluster)
+            holder = h.get(m.id) if h is not None else None
+            if holder is not None:
+                if holder is n or holder.prio >= prio:
+                    continue
+                vprio = max(q, holder.prio)
+            if math.isinf(m_interruption(m)):
+                continue
+            if later:
+                k = tier_key(m)
+                while later and later[0][0] <= k and any(n.remaining):
+                    _, lm, lv = heapq.heappop(later)
+                    take(lm, lv)
+                if not any(n.remaining):
+                    break
+            if vprio != q and drain_grace_seconds(prio, vprio) != drain_grace_seconds(prio, q):
+                heapq.heappush(later, (_victim_key(m, drain_grace_seconds(prio, vprio)), m, vprio))
+                continue
+            take(m, vprio)
+        while later and any(n.remaining):
+            _, lm, lv = heapq.heappop(later)
+            take(lm, lv)
     return actions, victims
 
 

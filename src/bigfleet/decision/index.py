@@ -94,7 +94,7 @@ class Index:
     classes_ver: int = 0
     #: class idx → bumped when its CONFIGURED set changes (Phase-2 victim order cache)
     configured_ver: dict[int, int] = field(default_factory=dict)
-    victims: dict[int, tuple[int, list[Machine], int]] = field(default_factory=dict)
+    victims: dict[int, VictimOrders] = field(default_factory=dict)
     #: class idx → CONFIGURED machines of every cluster (Phase-2 victim candidates), id order
     configured_by_class: dict[int, list[Machine]] = field(default_factory=dict)
     configured_count: dict[str, int] = field(default_factory=dict)
@@ -342,16 +342,54 @@ def free_supply(ix: Index, busy: Iterable[str], by_id: Mapping[str, Machine]
     return out
 
 
-def victim_order(ix: Index, ci: int, key: Callable[[Machine], Any]) -> tuple[list[Machine], int]:
-    """Class `ci`'s CONFIGURED machines sorted by `key` and their minimum assigned priority;
-    cached until that class's CONFIGURED set changes."""
+class VictimOrders:
+    """One class's CONFIGURED machines in victim order, per priority tiering (see `victim_order`)."""
+
+    __slots__ = ("by_bounds", "by_cuts", "machines", "prios", "ver")
+
+    #: distinct tierings (and bounds tuples) kept per class; more are rare (needs come in a few
+    #: priorities) and simply rebuilt
+    MAX_ORDERS = 8
+
+    def __init__(self, ver: int, machines: list[Machine]) -> None:
+        self.ver = ver
+        self.machines = machines
+        #: distinct stamped priorities, ascending
+        self.prios = sorted({m.assignment.priority for m in machines})
+        self.by_cuts: dict[tuple[int, ...], list[Machine]] = {}
+        self.by_bounds: dict[tuple[int, ...], list[Machine]] = {}
+
+
+def victim_order(ix: Index, ci: int, bounds: tuple[int, ...], key: Callable[[Machine], Any]) -> list[Machine]:
+    """Class `ci`'s CONFIGURED machines whose stamped priority is below ``bounds[-1]``, sorted by `key`.
+
+    ``bounds`` ascend; `key` may depend on a machine's priority only through its *tier*,
+    ``bisect_right(bounds, priority)`` (which bound it is below). Only the partition of the
+    class's distinct priorities into tiers matters, so one sorted list serves every bounds tuple
+    with the same partition (in practice: every preemptor of one priority). Cached until the
+    class's CONFIGURED set changes.
+    """
     ver = ix.configured_ver.get(ci, 0)
-    got = ix.victims.get(ci)
-    if got is None or got[0] != ver:
-        lst = sorted(ix.configured_by_class.get(ci, ()), key=key)
-        got = (ver, lst, min((m.assignment.priority for m in lst), default=2**31))
-        ix.victims[ci] = got
-    return got[1], got[2]
+    vo = ix.victims.get(ci)
+    if vo is None or vo.ver != ver:
+        vo = VictimOrders(ver, ix.configured_by_class.get(ci, []))
+        ix.victims[ci] = vo
+    got = vo.by_bounds.get(bounds)
+    if got is not None:
+        return got
+    prios = vo.prios
+    cuts = tuple([bisect.bisect_left(prios, b) for b in bounds])
+    got = vo.by_cuts.get(cuts)
+    if got is None:
+        top = bounds[-1]
+        got = sorted([m for m in vo.machines if m.assignment.priority < top], key=key) if cuts[-1] else []
+        if len(vo.by_cuts) >= VictimOrders.MAX_ORDERS:
+            vo.by_cuts.clear()
+        vo.by_cuts[cuts] = got
+    if len(vo.by_bounds) >= VictimOrders.MAX_ORDERS:
+        vo.by_bounds.clear()
+    vo.by_bounds[bounds] = got
+    return got
 
 
 def pool_key(m: Machine) -> tuple[float, str]:

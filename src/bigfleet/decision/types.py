@@ -334,16 +334,19 @@ class Decision:
         return self.stats.actions_truncated > 0
 
 
+#: Drain grace by priority gap (seeds): (gap strictly above, seconds), widest gap first; any other gap
+#: gets :data:`DRAIN_GRACE_DEFAULT_SECONDS`.
+DRAIN_GRACE_TIERS: tuple[tuple[int, int], ...] = ((900_000, 10), (500_000, 30), (100_000, 120))
+DRAIN_GRACE_DEFAULT_SECONDS = 600
+
+
 def drain_grace_seconds(preemptor_priority: int, victim_priority: int) -> int:
     """Drain grace by priority gap (seeds): a bigger gap drains faster."""
     gap = preemptor_priority - victim_priority
-    if gap > 900_000:
-        return 10
-    if gap > 500_000:
-        return 30
-    if gap > 100_000:
-        return 120
-    return 600
+    for above, seconds in DRAIN_GRACE_TIERS:
+        if gap > above:
+            return seconds
+    return DRAIN_GRACE_DEFAULT_SECONDS
 
 
 def effective_cost(price_per_hour: float, interruption_probability: float, penalty_dollars: float) -> float:
@@ -357,7 +360,13 @@ def effective_cost(price_per_hour: float, interruption_probability: float, penal
 
 def victim_score(interruption_penalty: float, reclamation_penalty: float, drain_grace_remaining_s: float,
                  price_per_hour: float) -> float:
-    """Seeds' victim score: the lowest is preempted first. Never NaN (inf only)."""
+    """Seeds' victim score: the lowest is preempted first. Never NaN (inf only).
+
+    ``drain_grace_remaining_s`` is how long the victim keeps running (and costing
+    ``price_per_hour``) after it is chosen: Phase 2 candidates are CONFIGURED machines whose drain
+    has not started, so the engine passes the whole grace their preempt Drain would carry,
+    ``drain_grace_seconds(preemptor, victim)`` (docs/decision-engine.md, "Victim score").
+    """
     drain_term = 0.0
     if drain_grace_remaining_s > 0 and price_per_hour > 0:
         drain_term = drain_grace_remaining_s / 3600.0 * price_per_hour
