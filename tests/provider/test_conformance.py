@@ -165,3 +165,55 @@ def test_launcher_reports_a_provider_that_does_not_start(tmp_path: Path) -> None
     assert all(r.status == "skip" and "state_file" in r.detail for r in results)
     results = run_suite(None, ["core"], f"{sys.executable} -c pass", Params(), tmp_path)
     assert all(r.status == "fail" and "{listen}" in r.detail for r in results)
+
+
+# ---- ConfigureRequest.bootstrap_blob ≤ 1 MiB (docs/security.md) -------------------------------------
+
+
+async def test_kit_refuses_a_bootstrap_blob_over_1_mib() -> None:
+    """The kit answers INVALID_ARGUMENT above 1 MiB (it took 64 MiB) and changes nothing."""
+    from bigfleet.provider.kit.core import MAX_BLOB_BYTES
+    from bigfleet.rpc import insecure_channel
+    from bigfleet.security.limits import DEFAULT_LIMITS
+    from bigfleet.v1alpha1 import provider_pb2 as pb
+    from bigfleet.v1alpha1 import provider_pb2_grpc as pbg
+
+    assert MAX_BLOB_BYTES == DEFAULT_LIMITS.max_bootstrap_blob_bytes == 1 << 20
+    running = await serve(SimulatedCloud(build_catalog(8)))
+    try:
+        async with insecure_channel(f"127.0.0.1:{running.port}") as ch:
+            stub = pbg.CapacityProviderStub(ch)
+            spec = (await stub.List(pb.ListFilter(states=[pb.MACHINE_STATE_SPECULATIVE]))).machines
+            idle = [m.id for m in spec[:2]]
+            for mid in idle:
+                await stub.Create(pb.CreateRequest(machine_id=mid), timeout=10)
+            for mid in idle:
+                for _ in range(200):
+                    if (await stub.Get(pb.MachineRef(id=mid))).state == pb.MACHINE_STATE_IDLE:
+                        break
+                    await asyncio.sleep(0.05)
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.Configure(pb.ConfigureRequest(machine_id=idle[0], cluster_id="c",
+                                                         bootstrap_blob=b"x" * ((1 << 20) + 1)), timeout=10)
+            assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert "bootstrap_blob is 1048577 bytes, limit 1048576" in (ei.value.details() or "")
+            assert (await stub.Get(pb.MachineRef(id=idle[0]))).state == pb.MACHINE_STATE_IDLE
+            ack = await stub.Configure(pb.ConfigureRequest(machine_id=idle[1], cluster_id="c",
+                                                           bootstrap_blob=b"x" * (1 << 20)), timeout=10)
+            assert ack.operation_id and ack.machine.state == pb.MACHINE_STATE_CONFIGURING
+    finally:
+        await running.stop()
+
+
+@pytest.mark.parametrize(("limit", "passes"), [(1 << 20, True), (64 << 20, True), (512 << 10, False)],
+                         ids=["kit-1MiB", "lenient-64MiB", "too-strict-512KiB"])
+def test_conformance_blob_check(in_process: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                limit: int, passes: bool) -> None:
+    """C404: a provider must take the 1 MiB a shard may send; above that it may refuse (cleanly) or take it."""
+    import bigfleet.provider.kit.core as kit_core
+
+    monkeypatch.setattr(kit_core, "MAX_BLOB_BYTES", limit)
+    target = in_process(lambda rp: None)
+    results = run_suite(target, ["core"], None, Params(settle_timeout=5.0), tmp_path, only={"C402", "C404"})
+    status = {r.id: r.status for r in results}
+    assert status == {"C402": "pass", "C404": "pass" if passes else "fail"}, _summary(results)

@@ -173,3 +173,26 @@ def test_operator_frame_checks() -> None:
         check_operator_frame(spb.OperatorMessage(bootstrap_response=spb.BootstrapBlobResponse(user_data=b"x" * 11)), SMALL)
     with pytest.raises(LimitExceeded, match=r"instruction_id"):
         check_operator_frame(spb.OperatorMessage(reclaim_ack=spb.ReclaimAck(instruction_id="i" * 65)))
+
+
+def test_colocation_group_is_held_to_253_characters_at_ingest() -> None:
+    """docs/security.md: "cluster / shard id, co-location group: 253 characters" (was 4 096)."""
+    from bigfleet.needs import ValidationError, rollup_from_proto, validate_group
+    from bigfleet.needs.wire import MAX_COLOCATION_GROUP_LEN
+
+    assert DEFAULT_LIMITS.max_group_len == MAX_COLOCATION_GROUP_LEN == 253
+    at_limit = "topology.kubernetes.io/rack\x00" + "a" * (253 - 28)
+    assert len(at_limit) == 253
+    check_rollup(cap.ClusterCapacityNeeds(cluster_id="c", needs=[need(), need(group=at_limit)]))
+    assert validate_group(at_limit) == at_limit
+    with pytest.raises(LimitExceeded) as ei:
+        check_rollup(cap.ClusterCapacityNeeds(cluster_id="c", needs=[need(), need(group=at_limit + "b")]))
+    assert ei.value.field == "needs[1].group"
+    assert str(ei.value) == "needs[1].group: 254 characters, limit 253"
+    with pytest.raises(ValidationError) as ve:
+        validate_group(at_limit + "b", "spec.coLocation")
+    assert ve.value.field == "spec.coLocation" and "limit 253" in str(ve.value)
+    # What a shard replicated under the old bound still decodes on a new leader (restore path).
+    pb = cap.ClusterCapacityNeeds(cluster_id="c", needs=[need(aggregate_resources={"cpu": "1"}, group="g" * 4096)])
+    _, needs = rollup_from_proto(pb, 1)
+    assert needs[0].profile.group == "g" * 4096

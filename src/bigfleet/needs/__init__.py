@@ -37,6 +37,7 @@ from bigfleet.needs.wire import (
     spread_from_proto,
     spread_to_proto,
     validate_cluster_id,
+    validate_group,
 )
 
 EMPTY_RESOURCES = EMPTY
@@ -79,4 +80,5 @@ __all__ = [
     "spread_from_proto",
     "spread_to_proto",
     "validate_cluster_id",
+    "validate_group",
 ]

@@ -26,6 +26,13 @@ from bigfleet.v1alpha1 import capacity_pb2
 MAX_CLUSTER_ID_LEN = 253
 # `group` is opaque: upstream operators build it as topologyKey + "\x00" + selector text,
 # so any characters are accepted; only its length is bounded.
+#: The co-location group limit every new roll-up is held to (docs/security.md). The shard applies
+#: it at ingest (`bigfleet.security.limits.check_rollup`, before decoding); operators check each
+#: CapacityRequest with `validate_group` so one over-long group skips that request, not the roll-up.
+MAX_COLOCATION_GROUP_LEN = 253
+#: What the decoder itself still accepts: roll-ups replicated before the 253 limit was enforced
+#: must keep decoding when a new shard leader restores them (else that cluster's demand would
+#: vanish on failover and its machines be reclaimed). Never raise it; new input never gets here.
 MAX_GROUP_LEN = 4096
 MAX_NEEDS_PER_ROLLUP = 100_000
 MAX_REQUIREMENTS = 64
@@ -52,6 +59,13 @@ def validate_cluster_id(cluster_id: str, field: str = "cluster_id") -> str:
     if any(c.isspace() for c in cluster_id):
         raise ValidationError(field, "contains whitespace")
     return cluster_id
+
+
+def validate_group(group: str, field: str = "group") -> str:
+    """A co-location group may be empty; otherwise at most 253 characters (any characters)."""
+    if len(group) > MAX_COLOCATION_GROUP_LEN:
+        raise ValidationError(field, f"{len(group)} characters, limit {MAX_COLOCATION_GROUP_LEN}")
+    return group
 
 
 def requirement_from_proto(pb: capacity_pb2.NodeSelectorRequirement, field: str = "") -> Requirement:

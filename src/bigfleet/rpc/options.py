@@ -32,8 +32,19 @@ _SERVER_KEEPALIVE: list[tuple[str, Any]] = [
 ]
 
 
+# Request metadata is bounded by MetadataLimitInterceptor (64 entries / 16 KiB, INVALID_ARGUMENT).
+# gRPC's own header limits (8 KiB soft: refused at random above it; 16 KiB hard, pseudo-headers
+# and per-entry overhead included) would answer first with RESOURCE_EXHAUSTED, so they are set
+# above that bound; a header list over this never reaches Python.
+_METADATA_TRANSPORT_BYTES = 32 << 10  # = bigfleet.security.metadata.TRANSPORT_METADATA_BYTES
+_SERVER_METADATA: list[tuple[str, Any]] = [
+    ("grpc.max_metadata_size", _METADATA_TRANSPORT_BYTES),
+    ("grpc.absolute_max_metadata_size", _METADATA_TRANSPORT_BYTES),
+]
+
+
 def server_options(extra: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
-    return [*_SIZE_OPTIONS, ("grpc.so_reuseport", 0), *_SERVER_KEEPALIVE, *extra]
+    return [*_SIZE_OPTIONS, ("grpc.so_reuseport", 0), *_SERVER_KEEPALIVE, *_SERVER_METADATA, *extra]
 
 
 def channel_options(extra: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
@@ -54,10 +65,15 @@ def new_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     maximum_concurrent_rpcs: int | None = None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    """An asyncio gRPC server with BigFleet's limits and the standard health service registered."""
+    """An asyncio gRPC server with BigFleet's limits and the standard health service registered.
+
+    The request-metadata limit (`MetadataLimitInterceptor`) runs before ``interceptors``.
+    """
+    from bigfleet.security.metadata import MetadataLimitInterceptor  # (bigfleet.security imports this module)
+
     server = grpc.aio.server(
         options=server_options(),
-        interceptors=list(interceptors),
+        interceptors=[MetadataLimitInterceptor(), *interceptors],
         maximum_concurrent_rpcs=maximum_concurrent_rpcs,
     )
     health_servicer = health.aio.HealthServicer()

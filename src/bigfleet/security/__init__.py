@@ -18,6 +18,7 @@ from bigfleet.security.identity import (
     peer_identity,
     shard,
 )
+from bigfleet.security.metadata import MetadataLimitInterceptor
 from bigfleet.security.raft import (
     RaftPasswordError,
     add_raft_password_arguments,
@@ -64,6 +65,7 @@ __all__ = [
     "Identity",
     "IdentityError",
     "KeyPairReloader",
+    "MetadataLimitInterceptor",
     "PermissionDenied",
     "RaftPasswordError",
     "Role",

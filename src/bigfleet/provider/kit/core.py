@@ -36,7 +36,9 @@ INT64_MAX = (1 << 63) - 1
 MAX_ID_BYTES = 4096
 MAX_METADATA_BYTES = 8 << 20
 MAX_METADATA_ENTRIES = 65536
-MAX_BLOB_BYTES = 64 << 20
+#: ConfigureRequest.bootstrap_blob: 1 MiB, the bound the shard puts on the operator's
+#: BootstrapBlobResponse.user_data it forwards (docs/security.md; cloud user-data is 16-256 KiB).
+MAX_BLOB_BYTES = 1 << 20
 
 _DECIMAL = re.compile(rb"[+-]?[0-9]+")
 
@@ -80,7 +82,8 @@ def check_configure_args(cluster_id: str, metadata: Mapping[str, str], blob_len:
     if size > MAX_METADATA_BYTES:
         raise KitError(grpc.StatusCode.INVALID_ARGUMENT, f"shard_metadata is larger than {MAX_METADATA_BYTES} bytes")
     if blob_len > MAX_BLOB_BYTES:
-        raise KitError(grpc.StatusCode.INVALID_ARGUMENT, f"bootstrap_blob is larger than {MAX_BLOB_BYTES} bytes")
+        raise KitError(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"bootstrap_blob is {blob_len} bytes, limit {MAX_BLOB_BYTES} (1 MiB)")
 
 
 def check_token(fence: Fence) -> None:
