@@ -40,3 +40,37 @@ def test_bigfleetctl_certs_delegates_to_the_security_module(tmp_path: Path, caps
     assert ctl(["certs", "--out", str(tmp_path / "pki"), "--shard", "shard-0"]) == 0
     assert (tmp_path / "pki" / "ca.crt").exists() and (tmp_path / "pki" / "shard-shard-0.crt").exists()
     assert ctl([]) == 0 and "rebalance" in capsys.readouterr().out
+
+
+def test_raft_election_max_above_one_second_is_a_clear_startup_error(tmp_path: Path) -> None:
+    """pysyncobj asserts connectionTimeout (1 s) >= raftMaxTimeout: the flag is refused up front, exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "BIGFLEET_RAFT_PASSWORD": "a-long-enough-raft-password"}
+    p = subprocess.run(
+        [sys.executable, "-m", "bigfleet.cli.main", "coordinator", "--raft-election-max", "1.5",
+         "--data-dir", str(tmp_path / "d"), "--listen", "127.0.0.1:0", "--raft-bind", "127.0.0.1:0",
+         "--log-level", "warning"],
+        capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "--raft-election-max must be at most 1 s, got 1.5" in p.stderr
+    assert "AssertionError" not in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "d").exists()  # refused before anything started
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--raft-election-min", "0.7", "--raft-election-max", "0.6"], "--raft-election-max must be above --raft-election-min"),
+    (["--raft-election-min", "0.1"], "--raft-election-min must be above 3 heartbeat periods (0.15 s), got 0.1"),
+    (["--raft-election-max", "inf"], "--raft-election-max must be a finite number"),
+    (["--raft-compaction-entries", "1"], "--raft-compaction-entries must be at least 2, got 1"),
+])
+def test_other_raft_flags_pysyncobj_would_assert_on(flags: list[str], message: str, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BIGFLEET_RAFT_PASSWORD", "a-long-enough-raft-password")
+    with pytest.raises(SystemExit) as ei:
+        main(["--data-dir", str(tmp_path / "d"), *flags])
+    assert ei.value.code == 2
+    assert message in capsys.readouterr().err

@@ -46,8 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="accepted for compatibility with upstream manifests; not needed (the --raft-peers group forms itself)",
     )
     p.add_argument("--raft-compaction-entries", type=int, default=20_000, help="snapshot the Raft log after this many entries")
-    p.add_argument("--raft-election-min", type=float, default=0.3)
-    p.add_argument("--raft-election-max", type=float, default=0.6)
+    p.add_argument("--raft-election-min", type=float, default=0.3,
+                   help="seconds; above 3 heartbeats (0.15 s) and below --raft-election-max")
+    p.add_argument("--raft-election-max", type=float, default=0.6,
+                   help="seconds; at most 1.0 (the Raft connection timeout)")
     try:
         from bigfleet.security.tls import add_tls_arguments
 
@@ -84,6 +86,20 @@ def _password(args: argparse.Namespace) -> str:
     return os.environ.get("BIGFLEET_RAFT_PASSWORD", "")
 
 
+def _check_raft_flags_or_exit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse Raft timings pysyncobj would only assert on (a bare AssertionError), naming the flag: exit 2."""
+    from bigfleet.coordinator.raft import RaftConfig
+    from bigfleet.raft import timing_problems
+
+    settings = RaftConfig(self_address="", peers=[], data_dir=Path(args.data_dir), password="",
+                          election_min=args.raft_election_min, election_max=args.raft_election_max,
+                          compaction_min_entries=args.raft_compaction_entries)
+    problems = timing_problems(settings, {"election_min": "--raft-election-min", "election_max": "--raft-election-max",
+                                          "compaction_min_entries": "--raft-compaction-entries"})
+    if problems:
+        parser.error("; ".join(problems))
+
+
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "restore":
         return _restore_main(argv[1:])
@@ -92,6 +108,7 @@ def main(argv: list[str]) -> int:
     from bigfleet.security.tls import tls_from_args_or_exit
 
     tls = tls_from_args_or_exit(parser, args)
+    _check_raft_flags_or_exit(parser, args)
     password = _password(args)
     if not password:
         print(

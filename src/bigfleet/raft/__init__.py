@@ -9,6 +9,15 @@ user keeps only its state machine and its replicated commands.
 from bigfleet.raft.bridge import RaftBridge
 from bigfleet.raft.consumer import LockedConsumer
 from bigfleet.raft.errors import RaftError, fail_reason
-from bigfleet.raft.settings import RaftSettings, sync_obj_conf
+from bigfleet.raft.settings import RaftSettings, RaftSettingsError, sync_obj_conf, timing_problems
 
-__all__ = ["LockedConsumer", "RaftBridge", "RaftError", "RaftSettings", "fail_reason", "sync_obj_conf"]
+__all__ = [
+    "LockedConsumer",
+    "RaftBridge",
+    "RaftError",
+    "RaftSettings",
+    "RaftSettingsError",
+    "fail_reason",
+    "sync_obj_conf",
+    "timing_problems",
+]
