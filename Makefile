@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 PROTO_DIR := proto
 GEN_DIR   := src/bigfleet/v1alpha1
 
-.PHONY: install browser-deps proto proto-check lint typecheck test test-fast bench fuzz soak e2e scale clean helm-check sync-crds
+.PHONY: install browser-deps proto proto-check lint typecheck test test-fast test-topology bench fuzz soak e2e scale clean helm-check sync-crds
 
 install: $(BIN)/bigfleet browser-deps
 
@@ -43,6 +43,11 @@ test: lint typecheck proto-check
 
 test-fast:
 	$(BIN)/pytest -q -x -m 'not slow'
+
+# The Helm chart's topology as real processes (3 coordinators, 2 shards x 3 replicas, one provider):
+# the full scenario, with leader kill -9 / SIGSTOP and a cluster move (make test runs a slice).
+test-topology:
+	BIGFLEET_TOPOLOGY_FULL=1 $(BIN)/pytest -q -m topology
 
 bench:
 	$(BIN)/python -m bench
