@@ -11,7 +11,12 @@ from typing import Any
 import grpc
 import pytest
 
-from bigfleet.coordinator.client import CoordinatorClient, CoordinatorUnavailable, lookup_cluster
+from bigfleet.coordinator.client import (
+    DIRECT_METADATA,
+    CoordinatorClient,
+    CoordinatorUnavailable,
+    lookup_cluster,
+)
 from bigfleet.coordinator.localgroup import CoordGroup
 from bigfleet.v1alpha1 import coordinator_pb2 as pb
 
@@ -44,9 +49,10 @@ async def until(pred: Callable[[], Any], timeout: float, what: str) -> Any:
 def test_leader_only_failover_and_no_acknowledged_write_lost(group: CoordGroup) -> None:
     leader = group.leader()
     followers = [i for i in range(3) if i != leader]
+    # Only the leader serves; a follower asked not to forward (test_forwarding.py) refuses.
     for f in followers:
         with pytest.raises(grpc.RpcError) as ei:
-            group.call(f, "ListShards", pb.ListShardsRequest())
+            group.call(f, "ListShards", pb.ListShardsRequest(), metadata=DIRECT_METADATA)
         assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "not leader" in ei.value.details()
     # Leader hints appear once every member registered its address.
@@ -54,7 +60,7 @@ def test_leader_only_failover_and_no_acknowledged_write_lost(group: CoordGroup) 
 
     def hint_ok() -> bool:
         try:
-            group.call(followers[0], "ListShards", pb.ListShardsRequest())
+            group.call(followers[0], "ListShards", pb.ListShardsRequest(), metadata=DIRECT_METADATA)
         except grpc.RpcError as e:
             return f"leader={hinted}" in (e.details() or "")
         return False

@@ -18,17 +18,17 @@ runs every pod of every workload as a local process:
 * kube-proxy: a TCP forwarder on each Service's IP and ports sends each new connection to a pod its
   selector matches whose readinessProbe (the chart's, run by a prober thread per pod, as kubelet
   does) passes. So the shard Service reaches only the replica leading its group, and an operator
-  that dials `bigfleet-shard-0...:7780` gets that leader, exactly as the chart promises. (One
-  deviation: the coordinator Service goes to the coordinator leader only; see Fleet.__init__.)
+  that dials `bigfleet-shard-0...:7780` gets that leader, exactly as the chart promises; the
+  coordinator Service reaches every replica that sees a leader, and a follower forwards.
 
 A stand-in API server (`bigfleet.k8stest`) plays the managed cluster. The test checks what the
 chart promises: every pod's readiness passes; exactly one replica of each shard is ready (SERVING
 on `bigfleet.v1alpha1.Shard`); shard-0 runs `--ownership=exclusive` and shard-1
 `--ownership=shared`; both shards register their Service address with the coordinator; the two
 operator replicas elect one leader that the coordinator places on a shard, which holds exactly one
-Session; and a CapacityRequest becomes an UpcomingNode. Two strict xfails record what does not hold
-yet: shard followers fail the chart's livenessProbe, and the operator's lookup through a follower
-coordinator fails.
+Session; a CapacityRequest becomes an UpcomingNode; and the operator's lookup through a follower
+coordinator gets the leader's answer (the follower forwards it). A strict xfail records what does
+not hold yet: shard followers fail the chart's livenessProbe.
 """
 
 from __future__ import annotations
@@ -131,8 +131,6 @@ class Service:
     ip: str
     ports: dict[int, int | str]  # Service port -> targetPort
     endpoints: list[Pod]
-    #: route only to the endpoint that leads its Raft group (see Fleet.__init__)
-    leader_only: bool = False
 
 
 class Node:
@@ -310,10 +308,9 @@ class KubeProxy:
     Like kube-proxy, an established connection stays with its pod after the pod turns unready.
     """
 
-    def __init__(self, services: list[Service], ready: Callable[[Pod], bool], leading: Callable[[Pod], bool]) -> None:
+    def __init__(self, services: list[Service], ready: Callable[[Pod], bool]) -> None:
         self.services = services
         self.ready = ready
-        self.leading = leading
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="kube-proxy", daemon=True)
         self._servers: list[asyncio.Server] = []
@@ -330,7 +327,7 @@ class KubeProxy:
                 self._servers.append(await asyncio.start_server(handler, svc.ip, port))
 
     async def _forward(self, svc: Service, target: int | str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        backends = [pod for pod in svc.endpoints if self.ready(pod) and (self.leading(pod) or not svc.leader_only)]
+        backends = [pod for pod in svc.endpoints if self.ready(pod)]
         if not backends:
             writer.transport.abort()
             return
@@ -417,20 +414,16 @@ class Fleet:
         self.coordinators = [pods[f"bigfleet-coordinator-{r}"] for r in range(3)]
         self.shards = {f"shard-{i}": [pods[f"bigfleet-shard-{i}-{r}"] for r in range(3)] for i in range(SHARDS)}
         self.provider = pods["bigfleet-fake-provider-0"]
+        # The chart's coordinator Service routes to every replica that sees a leader (2 in 3
+        # connections land on a follower, which forwards client RPCs to the leader; ReportShard it
+        # refuses with a leader hint, which shards follow).
         self.coordinator_service = self.node.services["bigfleet-coordinator"]
-        # The chart's coordinator Service routes to every replica that sees a leader, and a follower
-        # answers FAILED_PRECONDITION with a leader hint. Shards follow the hint; the operator's
-        # lookup does not (test_operator_lookup_through_a_follower_coordinator): it fails and
-        # retries with a growing backoff, each retry a new draw (2 in 3 land on a follower; one run
-        # here saw 7 refusals in 30 s). This kube-proxy sends coordinator connections to the leader
-        # only, so the test below is not a lottery.
-        self.coordinator_service.leader_only = True
         self.shard_service = {sid: self.node.services[f"bigfleet-{sid}"] for sid in self.shards}
         self.api = f"http://127.0.0.1:{self.p['k8s']}"
         self.logs = tmp / "logs"
         self.procs: list[ManagedProcess] = []
         self.prober = Prober()
-        self.proxy = KubeProxy(list(self.node.services.values()), self.prober.is_ready, self.prober.is_leading)
+        self.proxy = KubeProxy(list(self.node.services.values()), self.prober.is_ready)
 
     # -- processes ------------------------------------------------------------------------------
 
@@ -502,12 +495,15 @@ class Fleet:
         raise AssertionError(f"coordinator {method}: no leader after following 3 hints")
 
     def coordinator_leads(self, pod: Pod) -> bool:
-        """True when the coordinator replica answers (only the leader does)."""
+        """True when the coordinator replica answers a call it may not forward (only the leader does)."""
+        from bigfleet.coordinator.client import DIRECT_METADATA
         from bigfleet.v1alpha1 import coordinator_pb2, coordinator_pb2_grpc
 
         with grpc.insecure_channel(f"{pod.ip}:{self.p['c_grpc']}") as ch:
             try:
-                coordinator_pb2_grpc.CoordinatorStub(ch).ListShards(coordinator_pb2.ListShardsRequest(), timeout=1.0)
+                coordinator_pb2_grpc.CoordinatorStub(ch).ListShards(
+                    coordinator_pb2.ListShardsRequest(), timeout=1.0, metadata=DIRECT_METADATA
+                )
             except grpc.RpcError:
                 return False
         return True
@@ -640,12 +636,6 @@ def test_shard_followers_pass_their_liveness_probe(fleet: Fleet) -> None:
     assert not failing, f"livenessProbe fails on {failing}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the operator's coordinator lookup (operator/app.py CoordinatorResolver.lookup) does not follow a "
-    "follower's leader hint, and the chart's coordinator Service routes to followers too (every replica that "
-    "sees a leader is ready)",
-)
 def test_operator_lookup_through_a_follower_coordinator(fleet: Fleet) -> None:
     from kubernetes.aio import client
 

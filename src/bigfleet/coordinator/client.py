@@ -36,6 +36,12 @@ from bigfleet.v1alpha1 import coordinator_pb2_grpc as pbg
 
 LEADER_METADATA_KEY = "bigfleet-leader"
 RETRY_LATER_KEY = "bigfleet-retry-later"
+# Set by a follower on a call it forwards to the leader (value: its node id); a call carrying it
+# is never forwarded again (coordinator/forward.py).
+FORWARDED_METADATA_KEY = "bigfleet-forwarded-by"
+#: Metadata for a call only the replica it reaches may answer: a follower refuses it ("not
+#: leader", with a hint) instead of forwarding it. For probes of which replica leads.
+DIRECT_METADATA = ((FORWARDED_METADATA_KEY, "direct"),)
 ACCEPTED = pb.InstructAck.OUTCOME_ACCEPTED
 REJECTED_STALE = pb.InstructAck.OUTCOME_REJECTED_STALE
 REJECTED_INVALID = pb.InstructAck.OUTCOME_REJECTED_INVALID
@@ -56,7 +62,9 @@ class UnsupportedInstruction(Exception):
     """Raised by a handler for an instruction kind it does not implement (acked REJECTED_INVALID)."""
 
 
-def _leader_hint(err: grpc.aio.AioRpcError) -> str:
+def leader_hint(err: grpc.aio.AioRpcError) -> str:
+    """The leader address a "not leader" refusal names: the ``bigfleet-leader`` trailer, else
+    ``leader=HOST:PORT`` in the details ("" when it names none)."""
     for k, v in err.trailing_metadata() or ():
         if k == LEADER_METADATA_KEY and v:
             return str(v)
@@ -69,6 +77,9 @@ def _leader_hint(err: grpc.aio.AioRpcError) -> str:
 class CoordinatorClient:
     """Calls the leader among ``addresses``, following FAILED_PRECONDITION leader hints.
 
+    A follower forwards most calls to the leader itself (coordinator/forward.py); where one
+    refuses instead (ReportShard, its leader unreachable from it, an older release) the hinted
+    address is tried next, and when it cannot be dialled from here, the remaining addresses.
     A channel per address is kept open; ``call`` tries the last known leader
     first, then every other address, and raises :class:`CoordinatorUnavailable`
     when none answered as leader. Errors other than "not leader"/unreachable
@@ -137,7 +148,7 @@ class CoordinatorClient:
             except grpc.aio.AioRpcError as err:
                 code = err.code()
                 if code == grpc.StatusCode.FAILED_PRECONDITION and "not leader" in (err.details() or ""):
-                    hint = _leader_hint(err)
+                    hint = leader_hint(err)
                     answered = True
                     errors.append(f"{addr}: not leader")
                     if hint and hint not in tried:

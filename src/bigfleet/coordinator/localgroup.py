@@ -7,6 +7,7 @@ from pathlib import Path
 
 import grpc
 
+from bigfleet.coordinator.client import DIRECT_METADATA
 from bigfleet.testing import ManagedProcess, free_port, wait_until
 from bigfleet.v1alpha1 import coordinator_pb2 as pb
 from bigfleet.v1alpha1 import coordinator_pb2_grpc as pbg
@@ -87,9 +88,10 @@ class CoordGroup:
         return [i for i, p in enumerate(self.procs) if p is not None and p.alive()]
 
     def is_leader(self, i: int, timeout: float = 0.5) -> bool:
+        """Replica ``i`` answers a call it may not forward (a follower would forward the rest)."""
         with grpc.insecure_channel(self.addr(i)) as ch:
             try:
-                pbg.CoordinatorStub(ch).ListShards(pb.ListShardsRequest(), timeout=timeout)
+                pbg.CoordinatorStub(ch).ListShards(pb.ListShardsRequest(), timeout=timeout, metadata=DIRECT_METADATA)
                 return True
             except grpc.RpcError:
                 return False
@@ -104,11 +106,15 @@ class CoordGroup:
         found: int = wait_until(find, timeout, interval=0.02, what="a coordinator leader")  # type: ignore[assignment]
         return found - 1
 
-    def call(self, i: int, method: str, req: object, timeout: float = 5.0) -> object:
+    def call(
+        self, i: int, method: str, req: object, timeout: float = 5.0, metadata: tuple[tuple[str, str], ...] = ()
+    ) -> object:
+        """``method`` on replica ``i`` (a follower forwards it to the leader unless ``metadata``
+        is :data:`~bigfleet.coordinator.client.DIRECT_METADATA`)."""
         ch = self._channels.get(i)
         if ch is None:
             ch = self._channels[i] = grpc.insecure_channel(self.addr(i))
-        return getattr(pbg.CoordinatorStub(ch), method)(req, timeout=timeout)
+        return getattr(pbg.CoordinatorStub(ch), method)(req, timeout=timeout, metadata=metadata or None)
 
     def logs(self) -> str:
         return "\n".join(p.logs()[-3000:] for p in self.procs if p is not None)

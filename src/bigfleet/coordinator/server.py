@@ -1,10 +1,14 @@
 """The coordinator daemon: a grpc.aio shell around the Raft-replicated FleetState.
 
-Every RPC is served by the leader only; a follower answers FAILED_PRECONDITION
-``coordinator: not leader`` with the leader's gRPC address in the message
-(``leader=HOST:PORT``) and in trailing metadata ``bigfleet-leader``. Shard
-summaries and shortfalls are leader-local soft state, refilled by the next
-reports after a failover; everything else goes through Raft.
+Every RPC is served by the leader only. A follower forwards client RPCs to the
+leader and relays its answer (coordinator/forward.py: one hop, the caller's
+deadline, every RPC but ReportShard); where it cannot (ReportShard, no leader
+known, a call already forwarded, the leader unreachable) it answers
+FAILED_PRECONDITION ``coordinator: not leader`` with the leader's gRPC address
+in the message (``leader=HOST:PORT``) and in trailing metadata
+``bigfleet-leader``. Shard summaries and shortfalls are leader-local soft
+state, refilled by the next reports after a failover; everything else goes
+through Raft.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import grpc
 from prometheus_client import Counter, Gauge
 
 from bigfleet.coordinator import snapshot as snap
+from bigfleet.coordinator.forward import NOT_LEADER_MESSAGE, SERVICE_NAME, LeaderForwarder
 from bigfleet.coordinator.raft import RaftConfig, RaftError, RaftNode
 from bigfleet.coordinator.rebalance import (
     FruitlessTransfer,
@@ -54,12 +59,10 @@ from bigfleet.rpc.options import NOT_SERVING, SERVING
 from bigfleet.v1alpha1 import coordinator_pb2 as pb
 from bigfleet.v1alpha1 import coordinator_pb2_grpc as pbg
 
-SERVICE_NAME = "bigfleet.v1alpha1.Coordinator"
 LEADER_METADATA_KEY = "bigfleet-leader"
 # Set on UNAVAILABLE answers that come from the coordinator's logic (retry later,
 # same replica) rather than from a dead or unreachable replica.
 RETRY_LATER_KEY = "bigfleet-retry-later"
-NOT_LEADER_MESSAGE = "coordinator: not leader"
 
 _CODES = {
     NOT_FOUND: grpc.StatusCode.NOT_FOUND,
@@ -133,6 +136,12 @@ class _Metrics:
         self.transfers = Gauge(
             "bigfleet_coordinator_transfers_active", "Handoffs and inventory transfers in flight", ["kind"], registry=self.registry
         )
+        self.forwarded = Counter(
+            "bigfleet_coordinator_forwarded_total",
+            "Client RPCs a follower forwarded to the leader, by outcome (OK, the leader's status code, or leader_unreachable)",
+            ["method", "outcome"],
+            registry=self.registry,
+        )
 
 
 class CoordinatorDaemon:
@@ -154,6 +163,7 @@ class CoordinatorDaemon:
         # only then has it applied every entry earlier leaders acknowledged.
         self._ready_term = -1
         self._barrier: asyncio.Task[None] | None = None
+        self._forwarder: LeaderForwarder | None = None
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -183,7 +193,17 @@ class CoordinatorDaemon:
         # Roles per protocols.md §5.3 (shards report only as themselves, admin for
         # mutations, readonly|admin for reads); over plaintext every check passes.
         roles = RoleInterceptor(COORDINATOR_POLICY, registry=self.metrics.registry, component="coordinator")
-        self.server, self._health = new_server(interceptors=[roles])
+        # After the role check: a follower forwards the (already authorised) call to the leader
+        # with its own identity, the one it joins the group with.
+        self._forwarder = LeaderForwarder(
+            node_id=cfg.node_id,
+            ready=self.ready,
+            leader_hint=self.leader_hint,
+            self_address=lambda: self.grpc_address,
+            tls=cfg.tls,
+            counter=self.metrics.forwarded,
+        )
+        self.server, self._health = new_server(interceptors=[roles, self._forwarder])
         pbg.add_CoordinatorServicer_to_server(CoordinatorService(self), self.server)
         self.port = add_port(self.server, cfg.listen, cfg.tls)
         await self.server.start()
@@ -205,6 +225,9 @@ class CoordinatorDaemon:
         if self.server is not None:
             await self.server.stop(1.0)
             self.server = None
+        if self._forwarder is not None:
+            await self._forwarder.close()
+            self._forwarder = None
         if self.raft is not None:
             self.raft.destroy()
             self.raft = None

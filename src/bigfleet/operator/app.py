@@ -78,7 +78,18 @@ class CoordinatorResolver:
         self._override = target
 
     async def lookup(self) -> str | None:
-        for addr in self.coordinators:
+        # A follower coordinator forwards the lookup to its leader. One that does not (no leader
+        # reachable from it, or an older release) names the leader in its refusal; that address
+        # is tried next, once, when it is dialable from here (a pod name on the coordinator's
+        # headless Service is not, from another cluster: then the next address is tried).
+        from bigfleet.coordinator.client import leader_hint
+
+        order, tried = list(self.coordinators), set()
+        while order:
+            addr = order.pop(0)
+            if addr in tried:
+                continue
+            tried.add(addr)
             try:
                 async with dial(addr, self.tls) as ch:
                     stub = coordinator_pb2_grpc.CoordinatorStub(ch)
@@ -87,7 +98,10 @@ class CoordinatorResolver:
                 if resp.shard_address:
                     return str(resp.shard_address)
             except grpc.aio.AioRpcError as exc:
-                log.info("coordinator lookup failed", coordinator=addr, code=exc.code().name)
+                hint = leader_hint(exc) if exc.code() == grpc.StatusCode.FAILED_PRECONDITION else ""
+                log.info("coordinator lookup failed", coordinator=addr, code=exc.code().name, leader=hint)
+                if hint and hint not in tried:
+                    order.insert(0, hint)
         return None
 
     async def _read_cache(self) -> str | None:
