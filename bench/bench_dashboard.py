@@ -49,7 +49,7 @@ async def case(machines: int, clusters: int, needs: int) -> list[str]:
                                         min_unit={"cpu": "1"}) for k in range(per)]
         await d.handle_rollup(f"c{c}", capacity_pb2.ClusterCapacityNeeds(cluster_id=f"c{c}", needs=ns))
     d.reconciled.set()
-    d._last_reconcile = cfg.clock()
+    d.reconciler.last_at = cfg.clock()
     await d.run_cycle()
     src = ShardSource(d, "127.0.0.1:7780")
     times, enc = [], []

@@ -1,5 +1,6 @@
-"""With --engine-fork the shard keeps compact verdict rows instead of Verdict objects; the
-dashboard's per-cluster verdict counts and action log must come out the same as InspectNeeds says."""
+"""With the engine in its worker process (the default) the shard keeps compact verdict rows
+instead of Verdict objects; the dashboard's per-cluster verdict counts and action log must come
+out the same as InspectNeeds says."""
 
 from __future__ import annotations
 
@@ -24,12 +25,12 @@ def verdicts(f: Fleet) -> dict[str, tuple[int, int]]:
     return out
 
 
-def test_fork_mode_dashboard_matches_inspect_needs() -> None:
-    with running_fleet("--engine-fork") as f:
+def test_worker_mode_dashboard_matches_inspect_needs() -> None:
+    with running_fleet("--engine-mode", "worker") as f:
         def agree() -> bool:
             d = f.api(f.shard_http)
             shown = {c["cluster_id"]: (c["satisfied"], c["unmet"]) for c in d["clusters"]}
             return shown == verdicts(f) == {"c1": (1, 0), "c2": (0, 1)} and bool(d["actions"])
-        wait_until(agree, 30, what="dashboard verdict counts equal InspectNeeds in fork mode")
+        wait_until(agree, 30, what="dashboard verdict counts equal InspectNeeds in worker mode")
         kinds = {a["kind"] for a in f.api(f.shard_http)["actions"]}
         assert "Configure" in kinds

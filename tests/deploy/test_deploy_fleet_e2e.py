@@ -26,9 +26,9 @@ chart promises: every pod's readiness passes; exactly one replica of each shard 
 on `bigfleet.v1alpha1.Shard`); shard-0 runs `--ownership=exclusive` and shard-1
 `--ownership=shared`; both shards register their Service address with the coordinator; the two
 operator replicas elect one leader that the coordinator places on a shard, which holds exactly one
-Session; a CapacityRequest becomes an UpcomingNode; and the operator's lookup through a follower
-coordinator gets the leader's answer (the follower forwards it). A strict xfail records what does
-not hold yet: shard followers fail the chart's livenessProbe.
+Session; a CapacityRequest becomes an UpcomingNode; shard followers (NOT_SERVING on gRPC health:
+only the leader serves) still pass their livenessProbe; and the operator's lookup through a
+follower coordinator gets the leader's answer (the follower forwards it).
 """
 
 from __future__ import annotations
@@ -623,12 +623,6 @@ def test_rendered_charts_start_a_working_fleet(fleet: Fleet) -> None:
             f.the_leader(shard_id)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="shard followers report the default gRPC health service NOT_SERVING (shard/ha/controller.py "
-    "HEALTH_SERVICES), and the chart's shard livenessProbe checks that service, so kubelet would restart "
-    "every follower after failureThreshold x periodSeconds (60 s)",
-)
 def test_shard_followers_pass_their_liveness_probe(fleet: Fleet) -> None:
     followers = [pod for group in fleet.shards.values() for pod in group if not probe(pod)]
     assert len(followers) == 2 * SHARDS

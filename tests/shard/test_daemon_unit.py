@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 
@@ -89,6 +88,9 @@ async def test_identical_rollup_is_acked_without_reapplying(daemon: ShardDaemon)
 
 
 async def test_empty_rollup_guard_holds_a_collapse(daemon: ShardDaemon) -> None:
+    from bigfleet.shard.guard import GuardConfig
+
+    daemon.intake.guard.config = GuardConfig(min_hold_seconds=0)  # (the time rule: tests/shard/test_units.py)
     many = [need("1", priority=p) for p in range(12)]
     assert (await daemon.handle_rollup("c1", rollup("c1", many))).accepted
     for _ in range(2):
@@ -104,18 +106,18 @@ async def test_reclaim_waits_for_first_rollup_and_dedupes(daemon: ShardDaemon) -
     daemon.view.set(machine("m1", S.MACHINE_STATE_CONFIGURED, "c1"))
     d = Decision(actions=(Drain("m1", "c1", 600, 0, "reclaim"),), shortfalls=(), verdicts=(), stats=PhaseStats(),
                  state=EngineState())
-    await daemon._execute(d)
+    await daemon.dispatcher.dispatch(d)
     assert "m1" not in daemon.view.inflight  # gated: c1 has not spoken since start
     assert daemon.view.get("m1").state == S.MACHINE_STATE_CONFIGURED  # type: ignore[union-attr]
     daemon.store.mark_first_rollup("c1")
-    await daemon._execute(d)
+    await daemon.dispatcher.dispatch(d)
     assert daemon.view.inflight.get("m1") == "Reclaim"
     assert daemon.view.get("m1").state == S.MACHINE_STATE_DRAINING  # type: ignore[union-attr]
-    await daemon._execute(d)  # same machine again: deduped, not a second drain
+    await daemon.dispatcher.dispatch(d)  # same machine again: deduped, not a second drain
     assert daemon.metrics.actions_deduped._value.get() == 1
     # A preempt is never gated (the preemptor's demand is live).
     daemon.view.set(machine("m2", S.MACHINE_STATE_CONFIGURED, "c9"))
-    await daemon._execute(Decision(actions=(Drain("m2", "c9", 10, 1_000_000, "preempt"),), shortfalls=(), verdicts=(),
+    await daemon.dispatcher.dispatch(Decision(actions=(Drain("m2", "c9", 10, 1_000_000, "preempt"),), shortfalls=(), verdicts=(),
                              stats=PhaseStats(), state=EngineState()))
     assert daemon.view.inflight.get("m2") == "Preempt"
 
@@ -135,14 +137,14 @@ async def test_one_create_is_held_back_per_orphan_create(daemon: ShardDaemon) ->
         daemon.view.set(machine(f"spec{i}", S.MACHINE_STATE_SPECULATIVE))
     creates = tuple(Create(f"spec{i}", "c1", "fp", 100) for i in range(5))
     d = Decision(actions=creates, shortfalls=(), verdicts=(), stats=PhaseStats(), state=EngineState())
-    await daemon._execute(d)
+    await daemon.dispatcher.dispatch(d)
     assert submitted == ["spec2", "spec3", "spec4"]
     assert daemon.metrics.action_outcomes.labels("Provision", "deferred_orphan_create")._value.get() == 2
     # an orphan the provider has finished creating no longer holds anything back
     for i in range(2):
         daemon.view.set(machine(f"orphan{i}", S.MACHINE_STATE_IDLE))
     submitted.clear()
-    await daemon._execute(d)
+    await daemon.dispatcher.dispatch(d)
     assert submitted == [f"spec{i}" for i in range(5)]
 
 
@@ -151,7 +153,7 @@ async def test_a_large_decision_is_dispatched_in_chunks_with_the_loop_running_be
     still claimed exactly once, and a cluster frozen by a handoff mid-dispatch gets no more."""
     from bigfleet.decision import Create
 
-    n = 5 * daemon.EXECUTE_CHUNK
+    n = 5 * daemon.dispatcher.CHUNK
     submitted: list[str] = []
     daemon.executor.submit_create = lambda mid, binding: submitted.append(mid)  # type: ignore[method-assign]
     for i in range(n):
@@ -168,12 +170,12 @@ async def test_a_large_decision_is_dispatched_in_chunks_with_the_loop_running_be
             await asyncio.sleep(0)
 
     other = asyncio.create_task(other_session_work())
-    await daemon._execute(d)
+    await daemon.dispatcher.dispatch(d)
     other.cancel()
     assert any(0 < k < n // 2 for k in seen_between), seen_between  # the loop ran during the dispatch
     k = len(submitted)  # in order, each once, and nothing of c2 after the freeze was seen
     assert submitted == [f"spec{i:04d}" for i in range(k)]
-    assert n // 2 <= k <= n // 2 + daemon.EXECUTE_CHUNK
+    assert n // 2 <= k <= n // 2 + daemon.dispatcher.CHUNK
     assert daemon.metrics.action_outcomes.labels("Create", "frozen_handoff")._value.get() == n - k
 
 
@@ -217,34 +219,6 @@ def test_view_routes_updates_and_rejects_bad_records() -> None:
     m2 = v.machine("m2")
     assert m2 is not None and m2.cluster == "c2"  # the engine sees the reservation
     assert [p.id for p in v.bound_to("c2")] == ["m2"]
-
-
-async def test_forked_engine_matches_the_in_process_engine() -> None:
-    import time as _time
-
-    from bigfleet.decision import EngineConfig
-    from bigfleet.needs import rollup_from_proto
-    from bigfleet.shard.daemon import _compute, _compute_forked, verdict_row
-
-    view = MachineView()
-    for i in range(6):
-        view.set(machine(f"i{i}", S.MACHINE_STATE_IDLE, price=0.1 + i / 100))
-    view.set(machine("b1", S.MACHINE_STATE_CONFIGURED, "c2"))
-    needs = []
-    for c, prio in (("c1", 100), ("c2", 5), ("c3", 1_000_000)):
-        _, ns = rollup_from_proto(rollup(c, [need("7", count=2, priority=prio, zone="us-east-1a")]), 1)
-        needs += ns
-    snapshot = tuple(sorted(needs, key=lambda n: (-n.priority, n.cluster_id)))
-    machines = list(view.machines())
-    args: tuple[Any, ...] = (snapshot, machines, frozenset(), list(snapshot), _time.time_ns(), EngineState(),
-                             EngineConfig())
-    d_thread, hints_thread = _compute(*args)
-    d_fork, hints_fork, rows = await _compute_forked(*args)
-    assert d_fork.actions == d_thread.actions and d_thread.actions
-    assert d_fork.shortfalls == d_thread.shortfalls
-    assert d_fork.state == d_thread.state
-    assert hints_fork == hints_thread
-    assert rows == {(v.cluster_id, v.fingerprint): verdict_row(v, d_thread.state.cycle) for v in d_thread.verdicts}
 
 
 def test_view_keeps_records_serialized_and_hands_out_copies() -> None:
@@ -301,18 +275,18 @@ async def test_capacity_hints_are_sent_at_the_configured_rate() -> None:
     queued_at_send: list[int] = []
     for sess in sessions:
         real = sess.send
-        sess.send = lambda msg, real=real: (queued_at_send.append(len(d._hints)), real(msg))[1]  # type: ignore[method-assign]
-    sender = asyncio.create_task(d._send_hints())
+        sess.send = lambda msg, real=real: (queued_at_send.append(len(d.hints.queue)), real(msg))[1]  # type: ignore[method-assign]
+    sender = asyncio.create_task(d.hints.run())
     try:
         # what a cycle hands over: the walk runs on the sender's task
         started = time.monotonic()
-        d._hint_input = (needs, {n.requirements: hint for n in needs})
-        d._hints_ready.set()
-        await until(lambda: len(queued_at_send) == 100 and not len(d._hints), 10, "every hint sent")
+        d.hints.pending = (needs, {n.requirements: hint for n in needs})
+        d.hints.ready.set()
+        await until(lambda: len(queued_at_send) == 100 and not len(d.hints.queue), 10, "every hint sent")
         elapsed = time.monotonic() - started
         ticks = [(n, queued_at_send.count(n)) for n in sorted(set(queued_at_send), reverse=True)]
         assert ticks == [(80, 20), (60, 20), (40, 20), (20, 20), (0, 20)]  # 400/s x 0.05 s per tick
-        assert elapsed >= 4 * d.HINT_TICK  # (five ticks: four sleeps between them at least)
+        assert elapsed >= 4 * d.hints.TICK  # (five ticks: four sleeps between them at least)
         frames = [(sess.cluster_id, f) for sess in sessions for f in sess.outbox.pop_ready()]
         assert {f.available_capacity.available_count for _, f in frames} == {3}
         assert len({(c, f.available_capacity.supersedes_key) for c, f in frames}) == 100
@@ -332,9 +306,9 @@ async def test_heap_is_settled_between_cycles_and_handed_back_periodically() -> 
 
     cfg = DaemonConfig(shard_id="s1", provider=f"127.0.0.1:{free_port()}", epoch=3, heap_settle_interval=0.02)
     d = ShardDaemon(cfg, ShardMetrics(new_registry()))
-    assert d._worker is not None  # worker mode: the settle loop applies
+    assert d.engine.settles_heap  # worker mode: the settle loop applies
     gc.unfreeze()
-    task = asyncio.create_task(d._settle_heap_loop())
+    task = asyncio.create_task(d.heap.run())
     try:
         a, b = Node(), Node()
         a.other, b.other = b, a  # type: ignore[attr-defined]
@@ -344,7 +318,7 @@ async def test_heap_is_settled_between_cycles_and_handed_back_periodically() -> 
         await until(lambda: gc.get_freeze_count() > frozen_before, 5.0)
         gc.collect()
         assert gone() is not None  # frozen: out of the collector's sight
-        d._last_unfreeze -= d.UNFREEZE_EVERY  # the periodic hand-back is due
+        d.heap.last_unfreeze -= d.heap.UNFREEZE_EVERY  # the periodic hand-back is due
         await until(lambda: gone() is None, 5.0)
     finally:
         task.cancel()

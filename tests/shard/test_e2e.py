@@ -97,9 +97,9 @@ async def test_demand_configures_rejects_malformed_and_reclaims() -> None:
             assert spy.per_machine("Delete") == {mid: 1 for mid in created}
 
 
-@pytest.mark.parametrize("engine", ["thread", "fork"])
+@pytest.mark.parametrize("engine", ["worker", "inline"])
 async def test_higher_priority_cluster_preempts_lower(engine: str) -> None:
-    shard_args = ("--engine-fork",) if engine == "fork" else ()
+    shard_args = ("--engine-mode", engine)
     async with fleet(("--seed-count", "0", "--committed-count", "2"), shard_args) as (_prov, spy, shard):  # noqa: SIM117
         async with FakeOperator(shard.addr, "low") as low, FakeOperator(shard.addr, "high") as high:
             await low.send_rollup([need("7", count=2, priority=100)])

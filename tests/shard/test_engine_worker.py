@@ -23,7 +23,15 @@ from bigfleet.needs import rollup_from_proto
 from bigfleet.observability import new_registry
 from bigfleet.shard import availability
 from bigfleet.shard.daemon import DaemonConfig, ShardDaemon
-from bigfleet.shard.engineproc import RESYNC, SUPPRESSED_SAMPLE, MirrorFeed, WorkerCore, verdict_row
+from bigfleet.shard.engineproc import (
+    RESYNC,
+    SUPPRESSED_SAMPLE,
+    EngineWorker,
+    MirrorFeed,
+    WorkerCore,
+    verdict_row,
+)
+from bigfleet.shard.engines import CycleInputs, WorkerEngine
 from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.shard.store import LocalDemandStore
 from bigfleet.shard.view import MachineView
@@ -289,27 +297,40 @@ def load(d: ShardDaemon, world: World) -> None:
     d.frozen_clusters, d.frozen_machines = world.frozen_clusters, world.frozen_machines
 
 
+async def compute(d: ShardDaemon, world: World) -> tuple[Any, Any, Any, Any]:
+    """One cycle through the daemon's engine backend on the world's inputs."""
+    out = await d.engine.decide(CycleInputs(world.view, world.store.table, world.store.engine_state(), world.config,
+                                            world.now, world.frozen_clusters, world.frozen_machines,
+                                            lambda c: True))
+    return out.decision, out.hints, out.rows, out.suppressed_counts
+
+
+def worker_of(d: ShardDaemon) -> EngineWorker:
+    assert isinstance(d.engine, WorkerEngine)
+    return d.engine.worker
+
+
 def counter(d: ShardDaemon, name: str) -> float:
     return float(getattr(d.metrics, name)._value.get())
 
 
 async def test_worker_process_killed_or_stuck_is_replaced_and_decisions_stay_equal(daemon: ShardDaemon) -> None:
     d = daemon
-    assert d.engine_mode == "worker" and d._worker is not None
+    w = worker_of(d)
     world = World(11, machines=200)
     pids = []
     try:
         for step in range(14):
             load(d, world)
             if step == 4:  # killed between cycles
-                os.kill(d._worker.pid or 0, signal.SIGKILL)
-                d._worker.proc.wait()  # type: ignore[union-attr]
+                os.kill(w.pid or 0, signal.SIGKILL)
+                w.proc.wait()  # type: ignore[union-attr]
             if step == 8:  # stuck: the deadline kills it, the cycle retries on a new worker
-                d._worker.timeout = 1.0
-                os.kill(d._worker.pid or 0, signal.SIGSTOP)
-            decision, hints, rows, counts = await d._compute_in_worker(world.now, world.config)
-            d._worker.timeout = 10.0
-            pids.append(d._worker.pid)
+                w.timeout = 1.0
+                os.kill(w.pid or 0, signal.SIGSTOP)
+            decision, hints, rows, counts = await compute(d, world)
+            w.timeout = 10.0
+            pids.append(w.pid)
             assert_same(decision, rows, hints, world, counts)
             world.store.save_engine_state(decision.state)
             world.step()
@@ -325,19 +346,18 @@ async def test_worker_process_killed_or_stuck_is_replaced_and_decisions_stay_equ
         assert counter(d, "engine_worker_resyncs") == 3  # the first cycle and one per new worker
         # A worker killed while it computes: the cycle itself retries on a replacement.
         load(d, world)
-        proc = d._worker.proc
+        proc = w.proc
         assert proc is not None
         os.kill(proc.pid, signal.SIGSTOP)
-        d._worker.timeout = 30.0
-        task = asyncio.create_task(d._compute_in_worker(world.now, world.config))
+        w.timeout = 30.0
+        task = asyncio.create_task(compute(d, world))
         await asyncio.sleep(0.2)  # (the request is now in the stopped worker's pipe)
         os.kill(proc.pid, signal.SIGKILL)
         decision, hints, rows, counts = await task
-        assert d._worker.pid != proc.pid
+        assert w.pid != proc.pid
         assert_same(decision, rows, hints, world, counts)
     finally:
-        worker = d._worker
-        last = worker.proc if worker is not None else None
+        last = worker_of(d).proc
         await d.stop(drain_timeout=0.1)
     assert last is not None and last.poll() is not None  # stop() ends the worker
 

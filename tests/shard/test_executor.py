@@ -25,9 +25,9 @@ from bigfleet.provider.kit.server import KitOptions, RunningProvider, serve
 from bigfleet.shard.executor import Binding, Executor, ExecutorConfig, Slots
 from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.shard.provider_client import ProviderClient
-from bigfleet.shard.sessions import BootstrapResult, SessionRegistry
+from bigfleet.shard.sessions import BootstrapResult, ReclaimSent, SessionRegistry
 from bigfleet.shard.view import MachineView
-from bigfleet.v1alpha1 import provider_pb2
+from bigfleet.v1alpha1 import provider_pb2, shard_pb2
 
 S = provider_pb2.MachineState
 
@@ -46,12 +46,16 @@ class _Session:
         await asyncio.sleep(0)
         return BootstrapResult(b"#cloud-config\n", 3600, "")
 
-    def send_reclaim(self, nodes: list[str], grace_seconds: int, preemptor_priority: int) -> asyncio.Future[int]:
+    def reclaim(self, nodes: list[str], grace_seconds: int, preemptor_priority: int) -> ReclaimSent:
+        """Delivered at once (the operator has it); acked at once only if ``ack_reclaims``."""
         self.reclaims += 1
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[int] = loop.create_future()
+        delivered: asyncio.Future[None] = loop.create_future()
+        delivered.set_result(None)
         if self.ack_reclaims:
             fut.set_result(len(nodes))
-        return fut
+        return ReclaimSent("i", shard_pb2.ShardMessage(), delivered, fut)
 
 
 class _Sessions(SessionRegistry):

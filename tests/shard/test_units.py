@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from bigfleet.shard.guard import EmptyRollupGuard, GuardConfig
+from bigfleet.shard.guard import DemandSize, EmptyRollupGuard, GuardConfig
 from bigfleet.shard.outbox import Outbox, OutboxOverflow
 from bigfleet.v1alpha1 import shard_pb2
 
@@ -86,34 +86,51 @@ async def test_outbox_wakes_waiter_and_close() -> None:
     assert len(ob) == 0
 
 
-def test_guard_holds_collapse_until_three_confirmations() -> None:
+SEC = 1_000_000_000
+
+
+def sz(rows: int, cpu: int = 0) -> DemandSize:
+    return DemandSize(rows, cpu)
+
+
+def test_guard_holds_collapse_until_restated_three_times_and_for_30_seconds() -> None:
     g = EmptyRollupGuard(GuardConfig())
-    assert g.admit("c", 20)
-    assert not g.admit("c", 1)
-    assert not g.admit("c", 0)
+    assert g.admit("c", sz(20), 0)
+    assert not g.admit("c", sz(1), 1 * SEC)
+    assert not g.admit("c", sz(0), 2 * SEC)
     assert g.held("c") == 2
-    assert g.admit("c", 0)  # third confirms
+    assert not g.admit("c", sz(0), 3 * SEC)  # three restatements, but only 2 s held: still held
+    assert not g.admit("c", sz(0), 30 * SEC)
+    assert g.admit("c", sz(0), 31 * SEC)  # >= 3 times and >= 30 s since the first hold
     assert g.held("c") == 0
-    assert g.admit("c", 0)  # baseline now 0
+    assert g.admit("c", sz(0), 32 * SEC)  # baseline now 0
 
 
-def test_guard_non_suspicious_resets_and_small_baselines_pass() -> None:
+def test_guard_holds_small_clusters_too_and_ordinary_scale_downs_pass() -> None:
     g = EmptyRollupGuard(GuardConfig())
-    assert g.admit("c", 9)
-    assert g.admit("c", 0)  # baseline < 10: never suspicious
-    assert g.admit("d", 50)
-    assert not g.admit("d", 4)
-    assert g.admit("d", 5)  # 10 % of 50 kept: accepted, resets held
-    assert g.held("d") == 0
-    assert g.admit("d", 5)
+    assert g.admit("small", sz(3, 3000), 0)
+    assert not g.admit("small", sz(0), SEC)  # 3 needs to 0: a collapse, whatever the size
+    assert g.admit("small", sz(1, 1000), 2 * SEC)  # 3 to 1 is an ordinary scale-down; ends the hold
+    assert g.held("small") == 0
+    assert g.admit("d", sz(50))
+    assert not g.admit("d", sz(4))
+    assert g.admit("d", sz(5))  # 10 % of the rows kept: accepted, resets held
+    assert g.admit("big", sz(1, 100_000))
+    assert not g.admit("big", sz(1, 2_000))  # same rows, 2 % of the CPU: a collapse too
+
+
+def test_guard_continues_from_a_seeded_hold() -> None:
+    g = EmptyRollupGuard(GuardConfig())
+    g.seed("c", sz(20), held=2, since_unix_nanos=0)  # a new leader, two restatements already held
+    assert g.admit("c", sz(0), 40 * SEC)
 
 
 def test_guard_first_rollup_after_start_always_accepted_and_disabled() -> None:
     g = EmptyRollupGuard(GuardConfig())
-    assert g.admit("c", 0)
+    assert g.admit("c", sz(0))
     off = EmptyRollupGuard(GuardConfig(enabled=False))
-    assert off.admit("c", 100)
-    assert off.admit("c", 0)
+    assert off.admit("c", sz(100))
+    assert off.admit("c", sz(0))
 
 
 def test_first_rollup_flags_fold_into_the_engine_state_in_one_copy(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -134,3 +134,29 @@ def test_drain_victims_lower_priority_lowest_score_first() -> None:
     assert pick_drain_victims(ms, set(), 50, [], Resources.parse({"cpu": "2"})) == ["v2"]
     assert pick_drain_victims(ms, set(), 10, [], Resources.parse({"cpu": "2"})) == []  # strictly lower only
     assert MachineState.CONFIGURED in {x.state for x in ms}
+
+
+async def test_a_paused_shard_refuses_a_cross_shard_drain() -> None:
+    """The kill switch covers the coordinator's instructions too (found by the chart-topology test:
+    a paused shard drained a machine for another shard)."""
+    import pytest
+
+    from bigfleet.observability import new_registry
+    from bigfleet.shard.daemon import DaemonConfig, ShardDaemon
+    from bigfleet.shard.metrics import ShardMetrics
+    from bigfleet.v1alpha1 import coordinator_pb2
+
+    d = ShardDaemon(DaemonConfig(shard_id="A", provider="127.0.0.1:1", epoch=1, compute_inline=True),
+                    ShardMetrics(new_registry()))
+    d.view.set(rec("c1", S.MACHINE_STATE_CONFIGURED, cluster="low", priority=1))
+    d.reconciled.set()
+    submitted: list[str] = []
+    d.executor.submit_drain = lambda mid, *a, **k: submitted.append(mid) or True  # type: ignore[method-assign,func-returns-value]
+    await d.set_actuation(True, False)
+    msg = coordinator_pb2.CrossShardDrain(preemptor_priority=1000, to_shard_id="B", transfer_id="t1")
+    with pytest.raises(RuntimeError, match="paused"):
+        await d.handoff.cross_shard_drain(msg)
+    await d.set_actuation(False, True)
+    with pytest.raises(RuntimeError, match="dry-run"):
+        await d.handoff.cross_shard_drain(msg)
+    assert submitted == [] and not d.log.ledger().released

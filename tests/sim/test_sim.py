@@ -226,18 +226,19 @@ def test_scenario_yaml_round_trip_and_errors(tmp_path: Path) -> None:
 
 
 def test_loop_flags_overprovisioning_when_reclaims_are_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    from collections.abc import Mapping
     from dataclasses import replace
 
     from bigfleet.decision.types import Decision, Drain
-    from bigfleet.shard.daemon import ShardDaemon
+    from bigfleet.shard.dispatch import Dispatcher
 
-    real = ShardDaemon._execute
+    real = Dispatcher.dispatch
 
-    async def no_reclaims(self: ShardDaemon, decision: Decision) -> None:
+    async def no_reclaims(self: Dispatcher, decision: Decision, counts: Mapping[str, int] | None = None) -> None:
         kept = tuple(a for a in decision.actions if not (isinstance(a, Drain) and a.reason == "reclaim"))
-        await real(self, replace(decision, actions=kept))
+        await real(self, replace(decision, actions=kept), counts)
 
-    monkeypatch.setattr(ShardDaemon, "_execute", no_reclaims)
+    monkeypatch.setattr(Dispatcher, "dispatch", no_reclaims)
     res = Simulator(builtin("withdrawal"), settle_cycles=SETTLE).run()
     assert "no-overprovision" in {v.rule for v in res.violations}
 
@@ -251,16 +252,16 @@ def test_loop_flags_a_shard_that_leaves_a_timed_out_machine_unfailed(monkeypatch
 
 
 def test_loop_flags_a_shard_that_forgets_a_machine(monkeypatch: pytest.MonkeyPatch) -> None:
-    from bigfleet.shard.daemon import ShardDaemon
+    from bigfleet.shard.reconcile import Reconciler
 
-    real = ShardDaemon.reconcile
+    real = Reconciler.reconcile
 
-    async def lossy(self: ShardDaemon, full: bool = False) -> None:
+    async def lossy(self: Reconciler, full: bool = False) -> None:
         await real(self, full)
         ids = sorted(self.view.ids())
-        if ids and self.cycles == 5:
+        if ids and self.count == 6:  # (the first List, then one per cycle: around cycle 5)
             self.view.forget(ids[0])
 
-    monkeypatch.setattr(ShardDaemon, "reconcile", lossy)
+    monkeypatch.setattr(Reconciler, "reconcile", lossy)
     res = Simulator(builtin("withdrawal"), settle_cycles=SETTLE).run()
     assert "inventory-conserved" in {v.rule for v in res.violations}

@@ -60,7 +60,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prebind", action="store_true",
                    help="steady state: the provider starts with the demand already CONFIGURED (as a shard would "
                         "have bound it); implies --actuate; one shard only")
-    p.add_argument("--engine-fork", action="store_true", help="pass --engine-fork to the shard(s)")
     p.add_argument("--shard-arg", action="append", default=[], help="extra shard flag (repeatable)")
     p.add_argument("--json", dest="json_path", default="", help="write the report here as JSON")
     p.add_argument("--workdir", default="", help="logs and data (default: a new temp dir)")
@@ -142,8 +141,6 @@ def start_fleet(args: argparse.Namespace, workdir: Path) -> tuple[list[ShardProc
             sargv += ["--coordinator", coord_addr, "--heartbeat-interval", "2"]
         if not args.actuate:
             sargv.append("--dry-run")
-        if args.engine_fork:
-            sargv.append("--engine-fork")
         sargv += args.shard_arg
         shards.append(ShardProc(name, ManagedProcess.bigfleet(sargv, name, log_dir=logs), prov, saddr,
                                 f"http://{maddr}/metrics"))

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import gc
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health as grpc_health
@@ -14,7 +14,12 @@ from grpc_health.v1 import health_pb2_grpc
 
 from bigfleet.observability import configure_logging
 from bigfleet.rpc.options import server_options
+from bigfleet.security.metadata import MetadataLimitInterceptor
 from bigfleet.security.tls import TLSConfig, add_tls_arguments, tls_from_args_or_exit
+
+if TYPE_CHECKING:
+    from bigfleet.shard.config import ShardSettings
+    from bigfleet.shard.daemon import DaemonConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,16 +47,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--available-capacity-rate", type=float,
                    help="AvailableCapacityUpdate frames written per second, shard-wide (0: unpaced)")
     p.add_argument("--reclaim-cap-fraction", type=float)
+    p.add_argument("--disruption-budget", action="append", metavar="RULE",
+                   help="a cluster's disruption budget unless its operator sends one, e.g. 10%%/10m or "
+                        "'5/1h;reasons=reclaim,release;blackout=Mon-Fri 09:00-17:00' (repeatable; default: "
+                        "the reclaim cap fraction per --cycle-interval, reclaims only)")
+    p.add_argument("--fleet-disruption-budget", action="append", metavar="RULE",
+                   help="a budget for the whole shard (same grammar; repeatable; default none)")
     p.add_argument("--on-demand-hold-seconds", type=int, help="idle on-demand release hold (<= 0: never)")
     p.add_argument("--spot-hold-seconds", type=int, help="idle spot release hold (<= 0: never)")
     p.add_argument("--no-empty-rollup-guard", dest="empty_rollup_guard", action="store_const", const=False)
     p.add_argument("--dry-run", action="store_const", const=True)
-    p.add_argument("--engine-mode", choices=["worker", "thread", "inline", "fork"],
-                   help="where the decision engine runs: worker (default: a long-lived process fed deltas), "
-                        "thread, inline (on the event loop), fork (a forked child per cycle)")
+    p.add_argument("--engine-mode", choices=["worker", "inline"],
+                   help="where the decision engine runs: worker (default: a long-lived process fed deltas) "
+                        "or inline (on the event loop: small shards and tests)")
     p.add_argument("--engine-timeout", type=float, help="seconds before a silent engine worker is replaced")
     p.add_argument("--engine-nice", type=int, help="niceness added to the engine worker (0-19; sessions win the CPU)")
-    p.add_argument("--engine-fork", action="store_const", const=True, help="same as --engine-mode fork")
     p.add_argument("--paused", action="store_const", const=True)
     ha = p.add_argument_group("replica group (without --raft-bind the shard is a Raft group of one on loopback)")
     ha.add_argument("--replica-id", help="this replica's name (logs, metrics)")
@@ -85,7 +95,9 @@ SESSION_SERVER_OPTIONS = [
 
 
 def build_server(*interceptors: grpc.aio.ServerInterceptor) -> tuple[grpc.aio.Server, grpc_health.aio.HealthServicer]:
-    server = grpc.aio.server(options=server_options(SESSION_SERVER_OPTIONS), interceptors=list(interceptors))
+    # Request metadata is bounded first (docs/security.md: 64 entries / 16 KiB), as on every server.
+    server = grpc.aio.server(options=server_options(SESSION_SERVER_OPTIONS),
+                             interceptors=[MetadataLimitInterceptor(), *interceptors])
     health = grpc_health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     return server, health
@@ -129,13 +141,13 @@ def main(argv: list[str]) -> int:
 GC_THRESHOLDS = (20_000, 20, 1_000)
 
 
-async def serve(settings: Any, tls: TLSConfig | None = None) -> int:
+async def serve(settings: ShardSettings, tls: TLSConfig | None = None) -> int:
     from bigfleet.shard.ha.serve import serve as serve_replica
 
     return await serve_replica(settings, tls)
 
 
-def daemon_config(settings: Any, epoch: int) -> Any:
+def daemon_config(settings: ShardSettings, epoch: int) -> DaemonConfig:
     """The daemon's configuration from settings (shared with the HA entry point)."""
     from bigfleet.decision.types import EngineConfig
     from bigfleet.shard.daemon import DaemonConfig
@@ -167,9 +179,10 @@ def daemon_config(settings: Any, epoch: int) -> Any:
             dry_run=settings.dry_run,
         ),
         guard=GuardConfig(enabled=settings.empty_rollup_guard),
-        compute_fork=settings.engine_fork,
         engine_mode=settings.engine_mode,
         engine_timeout=settings.engine_timeout,
         engine_nice=settings.engine_nice,
         ownership=settings.ownership,
+        disruption_budgets=tuple(settings.disruption_budget),
+        fleet_disruption_budgets=tuple(settings.fleet_disruption_budget),
     )

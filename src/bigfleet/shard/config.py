@@ -32,6 +32,10 @@ class ShardSettings(BaseSettings):
     available_capacity_interval: float = Field(5.0, ge=0)
     available_capacity_rate: float = Field(1000.0, ge=0)  # hint frames per second, shard-wide; 0 = unpaced
     reclaim_cap_fraction: float = Field(0.05, ge=0, le=1)
+    # Disruption budget rules (docs/disruption-budgets.md): per cluster (when its operator sends
+    # none; empty = max(1, reclaim_cap_fraction) per cycle_interval to reclaim) and fleet-wide.
+    disruption_budget: list[str] = Field(default_factory=list)
+    fleet_disruption_budget: list[str] = Field(default_factory=list)
     # Idle elastic machines are released (Delete) after this long; 0 or less: never.
     on_demand_hold_seconds: int = 600
     spot_hold_seconds: int = 60
@@ -39,9 +43,8 @@ class ShardSettings(BaseSettings):
     dry_run: bool = False
     paused: bool = False
     heartbeat_interval: float = Field(10.0, gt=0)
-    engine_fork: bool = False
-    # Where the decision engine runs (see DaemonConfig.engine_mode); engine_fork is the old spelling of "fork".
-    engine_mode: Literal["worker", "thread", "inline", "fork"] = "worker"
+    # Where the decision engine runs (see DaemonConfig.engine_mode).
+    engine_mode: Literal["worker", "inline"] = "worker"
     engine_timeout: float = Field(120.0, gt=0)
     engine_nice: int = Field(10, ge=0, le=19)
     # Which provider machines are this shard's when shards share a provider (see shard/handoff.py).
@@ -53,6 +56,14 @@ class ShardSettings(BaseSettings):
     raft_password: str = ""
     log_level: str = "info"
     log_format: str = "json"
+
+    @field_validator("disruption_budget", "fleet_disruption_budget")
+    @classmethod
+    def _budget(cls, v: list[str]) -> list[str]:
+        from bigfleet.budget import parse_budget
+
+        parse_budget(v)  # a bad rule is a configuration error at start-up, with its reason
+        return v
 
     @field_validator("listen", "provider", "metrics_listen", "advertise", "raft_bind")
     @classmethod

@@ -3,9 +3,12 @@
 One mutation per machine at a time (a ledger of machines in flight drops
 duplicates). Each flow marks the machine in its transitional state *before*
 calling out, so the next cycle already counts it, and ends in a stable state
-observed from the provider or in FAILED with ``last_error`` (a timeout or a
-provider error): a machine is never silently forgotten, and never handed out
-twice.
+observed from the provider, in the provider's record re-read after a lost race
+(another shard or actor got there first: never FAILED for that), or in FAILED
+with ``last_error`` (a timeout, a FAILED record, or an error on a machine in the
+state the call needed): a machine is never silently forgotten, and never handed
+out twice. A Configured machine is drained only after its cluster's operator
+received the ReclaimInstruction and acked it or let its grace run out.
 
 Throughput (the reprovisioning regime hands out thousands of machines at
 once): ``concurrency`` bounds provider mutations in flight and
@@ -31,7 +34,7 @@ from bigfleet.machine import Assignment, encode_shard_metadata
 from bigfleet.observability import get_logger
 from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.shard.provider_client import ProviderClient, ProviderError
-from bigfleet.shard.sessions import BootstrapUnavailable, SessionRegistry
+from bigfleet.shard.sessions import BootstrapUnavailable, ReclaimSent, SessionRegistry
 from bigfleet.shard.view import MachineView, node_name
 from bigfleet.v1alpha1 import capacity_pb2, provider_pb2
 
@@ -122,16 +125,31 @@ class Slots:
         self.free += 1
 
 
+class _MovedAway(Exception):
+    """The machine left the transition's path (another actor moved it): not ours to finish."""
+
+    def __init__(self, machine: provider_pb2.Machine) -> None:
+        super().__init__(f"machine is {S.Name(machine.state)}")
+        self.machine = machine
+
+
 class _Waiter:
-    __slots__ = ("checked", "fut", "gen", "since", "targets")
+    __slots__ = ("checked", "fut", "gen", "on_path", "since", "targets")
 
     def __init__(self, fut: asyncio.Future[provider_pb2.Machine], targets: frozenset[int], gen: int,
-                 since: float) -> None:
+                 since: float, on_path: frozenset[int] | None = None) -> None:
         self.fut = fut
         self.targets = targets
         self.gen = gen
         self.since = since
         self.checked = since  # when this flow's machine was last looked at directly (a Get)
+        # The states the machine may show while the transition is under way (its start and its
+        # transitional state); one outside these, the targets and FAILED means it was moved away.
+        self.on_path = on_path
+
+    def resolves(self, state: int) -> bool:
+        return state in self.targets or state == S.MACHINE_STATE_FAILED or (
+            self.on_path is not None and state not in self.on_path)
 
 
 class Executor:
@@ -325,6 +343,10 @@ class Executor:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def running(self) -> set[asyncio.Task[None]]:
+        """The flows still running (the simulator waits for them at the end of a run)."""
+        return set(self._tasks)
+
     async def drain_all(self, timeout: float) -> None:
         """Wait for in-flight actions (used at shutdown); cancel what is left after ``timeout``."""
         if not self._tasks:
@@ -363,14 +385,20 @@ class Executor:
         before the call does not eat into it: a big backlog must not FAIL machines it never reached)."""
         return self.clock() + self.config.execute_timeout + extra
 
-    async def _wait_state(self, machine_id: str, targets: set[int], deadline: float) -> provider_pb2.Machine:
-        """The machine's record once it reaches one of ``targets`` (or FAILED); TimeoutError at ``deadline``."""
+    async def _wait_state(self, machine_id: str, targets: set[int], deadline: float, *on_path: int) -> provider_pb2.Machine:
+        """The machine's record once it reaches one of ``targets`` (or FAILED); TimeoutError at ``deadline``.
+
+        With ``on_path`` (the transition's start and transitional states), a record in any other
+        state raises ``_MovedAway``: another actor took the machine, which is a race, not a failure.
+        """
+        path = frozenset(on_path) if on_path else None
         if not self.config.watch:
-            return await self._poll_state(machine_id, targets, deadline)
+            return await self._poll_state(machine_id, targets, deadline, path)
         want = frozenset(targets)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[provider_pb2.Machine] = loop.create_future()
-        self._waiters[machine_id] = _Waiter(fut, want, self._watch_gen, self.clock())
+        waiter = _Waiter(fut, want, self._watch_gen, self.clock(), path)
+        self._waiters[machine_id] = waiter
         if self._watch_task is None or self._watch_task.done():
             self._watch_task = asyncio.create_task(self._watch(), name="executor-watch")
         # A timer on the future itself (not wait_for: no extra task or future per waiting flow).
@@ -384,22 +412,24 @@ class Executor:
             w = self._waiters.get(machine_id)
             if w is not None and w.fut is fut:
                 del self._waiters[machine_id]
-        if pb is not None:
-            self.view.provider_latest[machine_id] = pb
-            return pb
-        # One last direct look before declaring the transition timed out.
-        try:
-            pb = await self.provider.get(machine_id, total=5.0)
-        except ProviderError as exc:
-            if exc.code.name == "NOT_FOUND":
-                raise
-            raise TimeoutError(str(exc)) from None
+        if pb is None:
+            # One last direct look before declaring the transition timed out.
+            try:
+                pb = await self.provider.get(machine_id, total=5.0)
+            except ProviderError as exc:
+                if exc.code.name == "NOT_FOUND":
+                    raise
+                raise TimeoutError(str(exc)) from None
+            if not waiter.resolves(pb.state):
+                self.view.provider_latest[machine_id] = pb
+                raise TimeoutError(f"still {S.Name(pb.state)}")
         self.view.provider_latest[machine_id] = pb
-        if pb.state in want or pb.state == S.MACHINE_STATE_FAILED:
-            return pb
-        raise TimeoutError(f"still {S.Name(pb.state)}")
+        if path is not None and pb.state not in want and pb.state != S.MACHINE_STATE_FAILED and pb.state not in path:
+            raise _MovedAway(pb)
+        return pb
 
-    async def _poll_state(self, machine_id: str, targets: set[int], deadline: float) -> provider_pb2.Machine:
+    async def _poll_state(self, machine_id: str, targets: set[int], deadline: float,
+                          on_path: frozenset[int] | None = None) -> provider_pb2.Machine:
         """Poll Get until the machine reaches one of ``targets`` (or FAILED); TimeoutError at ``deadline``."""
         interval = self.config.poll_interval
         last_err = "no answer"
@@ -412,6 +442,8 @@ class Executor:
                 self.view.provider_latest[machine_id] = pb
                 if pb.state in targets or pb.state == S.MACHINE_STATE_FAILED:
                     return pb
+                if on_path is not None and pb.state not in on_path:
+                    raise _MovedAway(pb)
                 last_err = f"still {S.Name(pb.state)}"
             except ProviderError as exc:
                 last_err = str(exc)
@@ -468,12 +500,20 @@ class Executor:
             waiters = self._waiters
             for pb in lst.machines:
                 w = waiters.get(pb.id)
-                if w is None or w.fut.done() or not (pb.state in w.targets or pb.state == S.MACHINE_STATE_FAILED):
+                if w is None or w.fut.done():
                     continue
-                if w.gen < gen or pb.id not in ended:
+                st = pb.state
+                if st in w.targets or st == S.MACHINE_STATE_FAILED:
+                    trusted = w.gen < gen or pb.id not in ended
+                elif w.on_path is not None and st not in w.on_path:
+                    # Moved away by someone else -- unless this List predates the flow's own call.
+                    trusted = w.gen < gen
+                else:
+                    continue
+                if trusted:
                     del waiters[pb.id]
                     w.fut.set_result(pb)
-                else:  # the record may predate the flow that ended during this List
+                else:  # the record may predate the flow (or one that ended during this List)
                     self._spawn_confirm(pb.id, w)
             await asyncio.sleep(max(0.0, self.config.watch_interval - (self.clock() - started)))
 
@@ -484,8 +524,7 @@ class Executor:
                 pb = await self.provider.get(machine_id, total=5.0)
             except ProviderError:
                 return  # the next List sees the machine anyway
-            if self._waiters.get(machine_id) is w and not w.fut.done() and (
-                    pb.state in w.targets or pb.state == S.MACHINE_STATE_FAILED):
+            if self._waiters.get(machine_id) is w and not w.fut.done() and w.resolves(pb.state):
                 del self._waiters[machine_id]
                 w.fut.set_result(pb)
 
@@ -499,11 +538,15 @@ class Executor:
                 ack = await self.provider.create(machine_id)
             self.view.provider_latest[machine_id] = ack.machine
             if ack.machine.state != S.MACHINE_STATE_IDLE:
-                pb = await self._wait_state(machine_id, {S.MACHINE_STATE_IDLE}, self._deadline())
+                pb = await self._wait_state(machine_id, {S.MACHINE_STATE_IDLE}, self._deadline(),
+                                            S.MACHINE_STATE_SPECULATIVE, S.MACHINE_STATE_CREATING)
             else:
                 pb = ack.machine
         except ProviderError as exc:
-            self._handle_error("Provision", machine_id, exc)
+            await self._handle_error("Provision", machine_id, exc, S.MACHINE_STATE_SPECULATIVE)
+            return
+        except _MovedAway as exc:
+            self._adopt("Provision", machine_id, exc.machine, "Create: moved away while waiting")
             return
         except TimeoutError as exc:
             self._fail(machine_id, f"Create: timed out after {self.config.execute_timeout:g}s ({exc})")
@@ -556,13 +599,20 @@ class Executor:
                 ack = await self.provider.configure(machine_id, binding.cluster_id, blob.user_data, binding.metadata())
             pb = ack.machine
             if pb.state != S.MACHINE_STATE_CONFIGURED:
-                pb = await self._wait_state(machine_id, {S.MACHINE_STATE_CONFIGURED}, self._deadline())
+                pb = await self._wait_state(machine_id, {S.MACHINE_STATE_CONFIGURED}, self._deadline(),
+                                            S.MACHINE_STATE_IDLE, S.MACHINE_STATE_CONFIGURING)
         except ProviderError as exc:
-            self._handle_error(kind, machine_id, exc, "configure_error")
+            await self._handle_error(kind, machine_id, exc, S.MACHINE_STATE_IDLE, "configure_error")
+            return
+        except _MovedAway as exc:
+            self._adopt(kind, machine_id, exc.machine, "Configure: moved away while waiting")
             return
         except TimeoutError as exc:
             self._fail(machine_id, f"Configure: timed out after {self.config.execute_timeout:g}s ({exc})")
             self._outcome(kind, "timeout")
+            return
+        if pb.state == S.MACHINE_STATE_CONFIGURED and pb.cluster != binding.cluster_id:
+            self._adopt(kind, machine_id, pb, f"Configure: bound to {pb.cluster!r}, not {binding.cluster_id!r}")
             return
         self.view.provider_latest[machine_id] = pb
         self.view.set(pb, force=True)
@@ -575,22 +625,27 @@ class Executor:
 
     async def _drain_flow(self, machine_id: str, cluster: str, node: str, grace: int, preemptor_priority: int) -> None:
         kind = "Preempt" if preemptor_priority else "Reclaim"
-        session = self.sessions.get(cluster)
-        if session is not None:
-            fut = session.send_reclaim([node], grace, preemptor_priority)
-            try:
-                started = await asyncio.wait_for(fut, min(self.config.reclaim_ack_timeout, max(1.0, float(grace))))
-                log.info("reclaim acknowledged", machine=machine_id, node=node, nodes_started=started)
-            except (TimeoutError, asyncio.CancelledError):
-                log.info("no reclaim ack; draining anyway", machine=machine_id)
+        refused = await self._reclaim_instruction(machine_id, cluster, node, grace, preemptor_priority)
+        if refused:
+            # The operator did not get the instruction (or neither acked it nor saw its grace run
+            # out): the machine stays Configured for its cluster; a later cycle may try again.
+            log.info("drain dropped: the cluster's operator has not been told", machine=machine_id,
+                        cluster=cluster, node=node, reason=refused)
+            self._release_to(machine_id, None)
+            self._outcome(kind, refused)
+            return
         try:
             async with self._step(urgent=True):
                 ack = await self.provider.drain(machine_id, grace)
             pb = ack.machine
             if pb.state != S.MACHINE_STATE_IDLE:
-                pb = await self._wait_state(machine_id, {S.MACHINE_STATE_IDLE}, self._deadline(grace))
+                pb = await self._wait_state(machine_id, {S.MACHINE_STATE_IDLE}, self._deadline(grace),
+                                            S.MACHINE_STATE_CONFIGURED, S.MACHINE_STATE_DRAINING)
         except ProviderError as exc:
-            self._handle_error(kind, machine_id, exc)
+            await self._handle_error(kind, machine_id, exc, S.MACHINE_STATE_CONFIGURED)
+            return
+        except _MovedAway as exc:
+            self._adopt(kind, machine_id, exc.machine, "Drain: moved away while waiting")
             return
         except TimeoutError as exc:
             self._fail(machine_id, f"Drain: timed out ({exc})")
@@ -602,15 +657,64 @@ class Executor:
             self.view.failed_local.add(machine_id)
         self._outcome(kind, "success" if pb.state == S.MACHINE_STATE_IDLE else "transition_error")
 
+    async def _reclaim_instruction(self, machine_id: str, cluster: str, node: str, grace: int,
+                                   preemptor_priority: int) -> str:
+        """Tell the cluster's operator; "" when the provider Drain may go ahead, else why not.
+
+        The rule: a machine Configured for a cluster is drained only after that cluster's
+        operator received a ReclaimInstruction for it (the frame was written to its stream) and
+        either acked it, or the instruction's grace ran out since it was delivered. So: no session
+        -> "no_session"; not delivered within ``reclaim_ack_timeout`` (session gone, outbox full,
+        stream stuck) -> "reclaim_undelivered" (and the queued frame is withdrawn); delivered but
+        neither acked nor past its grace when the ack wait ends -> "reclaim_no_ack".
+        """
+        session = self.sessions.get(cluster)
+        if session is None:
+            return "no_session"
+        sent: ReclaimSent = session.reclaim([node], grace, preemptor_priority)
+        both: set[asyncio.Future[Any]] = {sent.delivered, sent.acked}
+        if not sent.was_delivered:
+            if not any(f.done() for f in both):  # (both come back cancelled if the send failed)
+                await asyncio.wait(both, timeout=self.config.reclaim_ack_timeout, return_when=asyncio.FIRST_COMPLETED)
+            if not sent.was_delivered:
+                if sent.withdraw():
+                    return "reclaim_undelivered"
+                # Being written at this very moment: wait for the write to finish (or fail).
+                await asyncio.wait(both, timeout=self.config.reclaim_ack_timeout, return_when=asyncio.FIRST_COMPLETED)
+                if not sent.was_delivered:
+                    return "reclaim_undelivered"
+        delivered_at = self.clock()
+        if sent.was_acked:
+            log.info("reclaim acknowledged", machine=machine_id, node=node, nodes_started=sent.acked.result())
+            return ""
+        ack_wait = min(self.config.reclaim_ack_timeout, max(1.0, float(grace)))
+        if not sent.acked.done():
+            await asyncio.wait({sent.acked}, timeout=ack_wait)
+        if sent.was_acked:
+            log.info("reclaim acknowledged", machine=machine_id, node=node, nodes_started=sent.acked.result())
+            return ""
+        # No ack: the whole wait ran (>= the grace when the grace fits in it), or the session
+        # closed early (then only the time actually waited counts).
+        waited = ack_wait if not sent.acked.done() else self.clock() - delivered_at
+        if waited >= grace:
+            log.info("reclaim delivered, not acked, grace expired; draining", machine=machine_id, node=node,
+                     grace=grace)
+            return ""
+        return "reclaim_no_ack"
+
     async def _delete_flow(self, machine_id: str) -> None:
         try:
             async with self._step(urgent=False):
                 ack = await self.provider.delete(machine_id)
             pb = ack.machine
             if pb.state != S.MACHINE_STATE_SPECULATIVE:
-                pb = await self._wait_state(machine_id, {S.MACHINE_STATE_SPECULATIVE}, self._deadline())
+                pb = await self._wait_state(machine_id, {S.MACHINE_STATE_SPECULATIVE}, self._deadline(),
+                                            S.MACHINE_STATE_IDLE, S.MACHINE_STATE_DELETING)
         except ProviderError as exc:
-            self._handle_error("Delete", machine_id, exc)
+            await self._handle_error("Delete", machine_id, exc, S.MACHINE_STATE_IDLE)
+            return
+        except _MovedAway as exc:
+            self._adopt("Delete", machine_id, exc.machine, "Delete: moved away while waiting")
             return
         except TimeoutError as exc:
             self._fail(machine_id, f"Delete: timed out ({exc})")
@@ -622,14 +726,71 @@ class Executor:
             self.view.failed_local.add(machine_id)
         self._outcome("Delete", "success" if pb.state == S.MACHINE_STATE_SPECULATIVE else "transition_error")
 
-    def _handle_error(self, kind: str, machine_id: str, exc: ProviderError, outcome: str = "transition_error") -> None:
+    async def _handle_error(self, kind: str, machine_id: str, exc: ProviderError, expected: int,
+                            outcome: str = "transition_error") -> None:
+        """A provider error ended the flow. ``expected`` is the state the call needed.
+
+        Fencing: another incarnation owns the machine, touch nothing. No answer at all (the
+        provider unreachable or too slow through every retry): FAILED, as a timeout. Any other
+        answer: re-read the machine. Gone (NOT_FOUND) -> forget it; a conflict answer
+        (ALREADY_EXISTS, ABORTED, NOT_FOUND) or a record no longer in ``expected`` (the provider's
+        wrong-state answer is INTERNAL, FAILED_PRECONDITION being reserved for fencing) -> we lost
+        a race: show the provider's record, drop the reservation, let the next cycle decide. Only a
+        FAILED record, or an error on a machine still in ``expected`` (INTERNAL, INVALID_ARGUMENT,
+        ...), or one we cannot re-read after a non-conflict error, ends FAILED.
+        """
         if exc.fenced:
             # Another incarnation of this shard owns the machine now: touch nothing, never retry.
             log.error("fenced by provider (zombie shard?)", kind=kind, machine=machine_id, error=str(exc))
             self._outcome(kind, "fenced")
             return
-        self._fail(machine_id, f"{exc.rpc}: {exc.code.name}: {exc.details}")
+        why = f"{exc.rpc}: {exc.code.name}: {exc.details}"
+        if exc.no_answer:
+            self._fail(machine_id, why)
+            self._outcome(kind, outcome)
+            return
+        try:
+            pb = await self.provider.get(machine_id, total=5.0)
+        except ProviderError as gexc:
+            if gexc.code.name == "NOT_FOUND":
+                self._adopt(kind, machine_id, None, why)
+                return
+            if exc.conflict:
+                # The answer itself says someone else holds the machine; the reconcile will show it.
+                log.info("lost a race for the machine; re-read failed", kind=kind, machine=machine_id, error=why,
+                         reread_error=str(gexc))
+                self.view.reserved_for.pop(machine_id, None)
+                self._release_to(machine_id, None)
+                self._outcome(kind, "conflict_reread")
+                return
+            self._fail(machine_id, why)
+            self._outcome(kind, outcome)
+            return
+        self.view.provider_latest[machine_id] = pb
+        if pb.state == S.MACHINE_STATE_FAILED:
+            self.view.set(pb, force=True)
+            self.view.failed_local.add(machine_id)
+            self._outcome(kind, outcome)
+            return
+        if exc.conflict or pb.state != expected:
+            self._adopt(kind, machine_id, pb, why)
+            return
+        self._fail(machine_id, why)
         self._outcome(kind, outcome)
+
+    def _adopt(self, kind: str, machine_id: str, pb: provider_pb2.Machine | None, why: str) -> None:
+        """We lost a race for the machine: the provider's record (None: it is gone) replaces ours,
+        its reservation is dropped, nothing is FAILED; the next cycle decides what to do with it."""
+        log.info("lost a race for the machine; showing the provider's record", kind=kind, machine=machine_id,
+                 error=why, state=S.Name(pb.state) if pb is not None else "gone")
+        self.view.reserved_for.pop(machine_id, None)
+        if pb is None:
+            self.view.forget(machine_id)
+        else:
+            self.view.provider_latest[machine_id] = pb
+            if not self.view.set(pb, force=True):
+                self.view.forget(machine_id)  # a record the view refuses is not shown (as in reconcile)
+        self._outcome(kind, "conflict_reread")
 
 
 def _expire(fut: asyncio.Future[Any]) -> None:

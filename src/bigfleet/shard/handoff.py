@@ -34,7 +34,7 @@ import asyncio
 import json
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
@@ -44,6 +44,7 @@ from bigfleet.needs import Resources
 from bigfleet.needs.requirements import matches_all
 from bigfleet.needs.wire import requirement_from_proto
 from bigfleet.observability import get_logger
+from bigfleet.shard.budgets import Candidate
 from bigfleet.shard.ha.node import ShardLog
 from bigfleet.shard.ha.state import Ledger, ReleasedCluster
 from bigfleet.shard.provider_client import ProviderError
@@ -53,6 +54,12 @@ if TYPE_CHECKING:
     from bigfleet.shard.daemon import ShardDaemon
 
 log = get_logger("bigfleet.shard.handoff")
+
+
+class CoordinatorCalls(Protocol):
+    """The part of the coordinator client the shard uses outside its heartbeat loop."""
+
+    async def call(self, method: str, request: Any, timeout: float | None = None) -> Any: ...
 
 OWNER_KEY = "bigfleet.lucy.sh/owner-shard"
 REDIRECT_METADATA_KEY = "bigfleet-redirect"
@@ -148,7 +155,7 @@ class ShardHandoff(BaseInstructionHandler):
     leader can never re-read a released machine as ours."""
 
     def __init__(self, daemon: ShardDaemon, log: ShardLog, epoch: int, mode: str = EXCLUSIVE,
-                 coordinator: Any = None, settle_timeout: float = 60.0, drain_timeout: float = 900.0) -> None:
+                 coordinator: CoordinatorCalls | None = None, settle_timeout: float = 60.0, drain_timeout: float = 900.0) -> None:
         super().__init__()
         self.daemon = daemon
         self.log = log
@@ -354,12 +361,21 @@ class ShardHandoff(BaseInstructionHandler):
         if again:
             return again
         d = self.daemon
+        if d.paused or d.dry_run:
+            # The kill switch covers what the coordinator asks too: a paused shard makes no provider
+            # call and drains nothing. The transfer fails and the coordinator tries again later.
+            raise RuntimeError("cross-shard drain refused: actuation is " + ("paused" if d.paused else "dry-run")
+                               + " on this shard")
         await asyncio.wait_for(d.reconciled.wait(), self.settle_timeout)
         if msg.machine_ids:
             ids = [m for m in msg.machine_ids if d.view.get(m) is not None]
         else:
             ids = pick_drain_victims(d.view.machines(), set(d.view.inflight) | d.frozen_machines,
                                      msg.preemptor_priority, msg.requirements, _deficit(msg.deficit))
+        # A cross-shard preemption is a disruption like any other: it fits the victims' budgets or waits.
+        owners = {mid: (m.cluster if (m := d.view.machine(mid)) is not None else "") for mid in ids}
+        allowed = await d.budgets.admit([Candidate(owners[mid], mid, "preempt") for mid in ids])
+        ids = [mid for mid in ids if mid in allowed]
         victims = list(ids)
         d.frozen_machines.update(victims)  # the engine neither re-uses nor re-drains them meanwhile
         try:

@@ -100,6 +100,25 @@ class ShardMetrics:
             "bigfleet_shard_ha_rollups_not_committed", "Roll-ups refused: not committed to the replicated state",
             registry=r,
         )
+        # Disruption budgets (shard/budgets.py).
+        self.disruptions = Counter(
+            "bigfleet_shard_disruptions_total", "Disruptions dispatched within a budget that covers them",
+            ["reason"], registry=r,
+        )
+        self.disruptions_held = Counter(
+            "bigfleet_shard_disruptions_held_total",
+            "Disruptions held back (decided again next cycle): the cluster's or the fleet's budget is spent",
+            ["reason", "scope"], registry=r,
+        )
+        # Per-need verdicts and node-registration reports (shard/verdicts.py).
+        self.registration_timeouts = Counter(
+            "bigfleet_shard_registration_timeouts_total",
+            "Operator reports of a Configured machine whose Node never registered, by outcome (failed: marked "
+            "FAILED and replaced; the others were ignored)", ["outcome"], registry=r,
+        )
+        self.verdict_frames = Counter(
+            "bigfleet_shard_need_verdict_frames_total", "NeedVerdicts frames queued for operators", registry=r,
+        )
         # Cross-shard handoff (shard/handoff.py).
         self.handoff_machines = Counter(
             "bigfleet_shard_handoff_machines_total", "Machines released to or adopted from other shards",

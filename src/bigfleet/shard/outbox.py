@@ -29,6 +29,8 @@ def supersedes_key(msg: shard_pb2.ShardMessage) -> str | None:
         return msg.node_state_update.supersedes_key or None
     if kind == "available_capacity":
         return msg.available_capacity.supersedes_key or None
+    if kind == "need_verdicts":
+        return msg.need_verdicts.supersedes_key or None
     return None
 
 

@@ -3,7 +3,11 @@
 Every attempt of a mutating call draws a fresh sequence number (the provider
 accepts only a strictly newer token per machine, and a retry of a call that
 did land must not be refused as a replay of itself). FAILED_PRECONDITION is
-the provider's fencing answer: we are a zombie, never retry it.
+the provider's fencing answer: we are a zombie, never retry it. ALREADY_EXISTS,
+ABORTED and NOT_FOUND are conflict answers (someone else holds the machine, or
+it is gone): the executor re-reads the machine instead of failing it. A call in
+the wrong state is answered with another code (the provider kit: INTERNAL),
+so the executor tells a race from a failure by the record it re-reads.
 """
 
 from __future__ import annotations
@@ -29,6 +33,16 @@ RETRYABLE = frozenset(
 )
 
 
+# Answers that mean "lost a race", never "the machine is broken" (the contract reserves
+# FAILED_PRECONDITION for fencing; ABORTED is retried first, like the other transient codes).
+CONFLICT_CODES = frozenset({grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND})
+
+
+# No answer about the machine at all (the provider could not be reached in time, retries included).
+NO_ANSWER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                             grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED})
+
+
 class ProviderError(Exception):
     def __init__(self, rpc: str, code: grpc.StatusCode, details: str) -> None:
         super().__init__(f"provider {rpc}: {code.name}: {details}")
@@ -39,6 +53,16 @@ class ProviderError(Exception):
     @property
     def fenced(self) -> bool:
         return bool(self.code == grpc.StatusCode.FAILED_PRECONDITION)
+
+    @property
+    def no_answer(self) -> bool:
+        """The provider never answered (unreachable or too slow, after the client's retries)."""
+        return self.code in NO_ANSWER_CODES
+
+    @property
+    def conflict(self) -> bool:
+        """Another actor holds the machine (bound elsewhere, a concurrent change) or it is gone."""
+        return self.code in CONFLICT_CODES
 
 
 class ProviderClient:

@@ -54,8 +54,53 @@ class BootstrapResult:
     error: str
 
 
+#: the ack echo that follows the "rollup" ack of a roll-up the empty-roll-up guard held
+HELD_ECHO = "rollup-held: a collapse of this cluster's demand is held by the empty-roll-up guard until restated"
+
+
 class BootstrapUnavailable(Exception):
     """No session, the session went away, or the operator did not answer in time."""
+
+
+class ReclaimSent:
+    """A ReclaimInstruction handed to a session.
+
+    ``delivered`` resolves once the frame was written to the operator's stream (it is cancelled
+    when the session closed, or the frame was withdrawn, before that); ``acked`` resolves with the
+    operator's ``nodes_started`` (cancelled when the session closed first). An ack also counts as
+    delivery.
+    """
+
+    __slots__ = ("acked", "delivered", "instruction_id", "msg", "withdrawn", "writing")
+
+    def __init__(self, instruction_id: str, msg: shard_pb2.ShardMessage, delivered: asyncio.Future[None],
+                 acked: asyncio.Future[int]) -> None:
+        self.instruction_id = instruction_id
+        self.msg = msg
+        self.delivered = delivered
+        self.acked = acked
+        self.writing = False
+        self.withdrawn = False
+
+    @property
+    def was_delivered(self) -> bool:
+        return (self.delivered.done() and not self.delivered.cancelled()) or self.was_acked
+
+    @property
+    def was_acked(self) -> bool:
+        return self.acked.done() and not self.acked.cancelled()
+
+    def withdraw(self) -> bool:
+        """Take back an instruction not written yet (its frame is then skipped); False if it was
+        delivered or is being written right now."""
+        if self.was_delivered or self.writing:
+            return False
+        self.withdrawn = True
+        if not self.delivered.done():
+            self.delivered.cancel()
+        if not self.acked.done():
+            self.acked.cancel()
+        return True
 
 
 class OperatorSession:
@@ -71,6 +116,8 @@ class OperatorSession:
         self.close_metadata: tuple[tuple[str, str], ...] = ()
         self._bootstrap_waiters: dict[str, asyncio.Future[BootstrapResult]] = {}
         self._reclaim_waiters: dict[str, asyncio.Future[int]] = {}
+        # id(frame) -> reclaim instruction whose frame is not written yet (the writer reports delivery).
+        self._unwritten: dict[int, ReclaimSent] = {}
         self.pending_rollup: capacity_pb2.ClusterCapacityNeeds | None = None
         self.pending_read_at = 0.0
         self.rollup_ready = asyncio.Event()
@@ -97,9 +144,13 @@ class OperatorSession:
         for fut in self._bootstrap_waiters.values():
             if not fut.done():
                 fut.set_exception(BootstrapUnavailable(f"session closed: {reason}"))
-        for rfut in self._reclaim_waiters.values():
+        for rfut in list(self._reclaim_waiters.values()):
             if not rfut.done():
                 rfut.cancel()
+        for sent in list(self._unwritten.values()):
+            if not sent.delivered.done():
+                sent.delivered.cancel()
+        self._unwritten.clear()
 
     async def request_bootstrap(
         self, requirements: list[capacity_pb2.NodeSelectorRequirement], timeout: float
@@ -124,19 +175,65 @@ class OperatorSession:
 
     def send_reclaim(self, nodes: list[str], grace_seconds: int, preemptor_priority: int) -> asyncio.Future[int]:
         """Send a ReclaimInstruction; the future resolves with ``nodes_started`` when acked."""
+        return self.reclaim(nodes, grace_seconds, preemptor_priority).acked
+
+    def reclaim(self, nodes: list[str], grace_seconds: int, preemptor_priority: int) -> ReclaimSent:
+        """Send a ReclaimInstruction and track both its delivery (the frame written to the stream)
+        and its ack. If the session is closed or its outbox overflows, both futures come back
+        cancelled: the operator never got it."""
         instruction_id = secrets.token_hex(8)
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._reclaim_waiters[instruction_id] = fut
-        fut.add_done_callback(lambda _f: self._reclaim_waiters.pop(instruction_id, None))
-        self.send(
-            shard_pb2.ShardMessage(
-                reclaim_instruction=shard_pb2.ReclaimInstruction(
-                    instruction_id=instruction_id, nodes=nodes, grace_period_seconds=grace_seconds,
-                    preemptor_priority=preemptor_priority,
-                )
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[int] = loop.create_future()
+        delivered: asyncio.Future[None] = loop.create_future()
+        msg = shard_pb2.ShardMessage(
+            reclaim_instruction=shard_pb2.ReclaimInstruction(
+                instruction_id=instruction_id, nodes=nodes, grace_period_seconds=grace_seconds,
+                preemptor_priority=preemptor_priority,
             )
         )
-        return fut
+        sent = ReclaimSent(instruction_id, msg, delivered, fut)
+        key = id(msg)
+        self._reclaim_waiters[instruction_id] = fut
+
+        def acked_done(_f: asyncio.Future[int]) -> None:
+            self._reclaim_waiters.pop(instruction_id, None)
+            if self._unwritten.get(key) is sent and sent.was_acked:
+                del self._unwritten[key]  # (an ack proves delivery; nothing to wait for)
+
+        def delivered_done(_f: asyncio.Future[None]) -> None:
+            if self._unwritten.get(key) is sent and not sent.withdrawn:
+                del self._unwritten[key]
+
+        fut.add_done_callback(acked_done)
+        delivered.add_done_callback(delivered_done)
+        self._unwritten[key] = sent
+        if not self.send(msg):
+            self._unwritten.pop(key, None)
+            for f in (delivered, fut):
+                if not f.done():
+                    f.cancel()
+        return sent
+
+    def before_write(self, msg: shard_pb2.ShardMessage) -> bool:
+        """Called by the writer before each frame when reclaims are pending; False: skip the frame
+        (a withdrawn reclaim instruction)."""
+        sent = self._unwritten.get(id(msg))
+        if sent is None or sent.msg is not msg:
+            return True
+        if sent.withdrawn:
+            del self._unwritten[id(msg)]
+            return False
+        sent.writing = True
+        return True
+
+    def after_write(self, msg: shard_pb2.ShardMessage) -> None:
+        """The writer wrote ``msg`` to the stream: a reclaim instruction counts as delivered."""
+        sent = self._unwritten.get(id(msg))
+        if sent is not None and sent.msg is msg:
+            del self._unwritten[id(msg)]
+            sent.writing = False
+            if not sent.delivered.done():
+                sent.delivered.set_result(None)
 
     def deliver_bootstrap(self, resp: shard_pb2.BootstrapBlobResponse) -> None:
         fut = self._bootstrap_waiters.get(resp.request_id)
@@ -211,6 +308,8 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
         ack_info: Callable[[], tuple[int, int]],
         resync: Callable[[OperatorSession], None],
         max_unkeyed: int = 4096,
+        refuse_cluster: Callable[[str], tuple[str, str] | None] | None = None,
+        hold_cluster: Callable[[str], Awaitable[str | None]] | None = None,
     ) -> None:
         self.registry = registry
         self._on_rollup = on_rollup
@@ -219,10 +318,12 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
         self._max_unkeyed = max_unkeyed
         self.shutting_down = False
         # (reason, redirect address) when this shard must not serve a cluster (handed off); see handoff.py.
-        self.refuse_cluster: Callable[[str], tuple[str, str] | None] | None = None
+        self.refuse_cluster = refuse_cluster
         # A reason to answer UNAVAILABLE (retry later) for a cluster not yet ours to serve: one still being
         # handed to this shard (handoff.py). May wait a little for the adoption before answering.
-        self.hold_cluster: Callable[[str], Awaitable[str | None]] | None = None
+        self.hold_cluster = hold_cluster
+        # Operator reports of a Configured machine whose Node never registered (verdicts.py).
+        self.on_registration_timeout: Callable[[str, shard_pb2.NodeRegistrationTimeout], object] | None = None
 
     def _ack(self, echo: str) -> shard_pb2.ShardMessage:
         term, epoch = self._ack_info()
@@ -276,6 +377,9 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
                 t.cancel()
             if ended_by_peer:
                 session.close(grpc.StatusCode.OK, "operator ended the stream")
+            elif not session.closed.is_set():
+                # (e.g. a failed write): whoever waits on this session's frames learns it is gone
+                session.close(grpc.StatusCode.UNAVAILABLE, "session stream ended")
             # Flush whatever is already queued (e.g. a final status-relevant frame) before closing.
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(writer, 2.0)
@@ -301,6 +405,9 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
                 session.deliver_bootstrap(msg.bootstrap_response)
             elif kind == "reclaim_ack":
                 session.deliver_reclaim_ack(msg.reclaim_ack)
+            elif kind == "registration_timeout":
+                if self.on_registration_timeout is not None:
+                    self.on_registration_timeout(session.cluster_id, msg.registration_timeout)
             elif kind == "hello":
                 session.send(self._ack("hello"))
 
@@ -326,8 +433,14 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
                 continue
             if outcome.accepted or outcome.quarantined:
                 ack = self._ack("rollup")
+                # (a held roll-up: the operator raises its RollupHeld Event from this flag)
+                ack.ack.rollup_held = outcome.quarantined and not outcome.accepted
                 if session.send(ack) and self.registry.metrics:
                     session.ack_read_at[id(ack)] = read_at
+                if outcome.quarantined:
+                    # (after the "rollup" ack, which operators already expect: this one says why the
+                    # demand did not change; the operator raises a RollupHeld Event on it)
+                    session.send(self._ack(HELD_ECHO))
             elif outcome.error:
                 # No "rollup" ack for a rejected roll-up; the reason rides on an ack echo that
                 # operators log (they never act on acks), so the error is visible on the stream.
@@ -343,7 +456,13 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
                     return
                 await outbox.wait()
                 continue
-            await ctx.write(f)
+            if session._unwritten:
+                if not session.before_write(f):
+                    continue
+                await ctx.write(f)
+                session.after_write(f)
+            else:
+                await ctx.write(f)
             if session.ack_read_at:
                 read_at = session.ack_read_at.pop(id(f), None)
                 if read_at is not None and self.registry.metrics:

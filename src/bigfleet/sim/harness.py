@@ -253,7 +253,7 @@ class Simulator:
         s = OperatorSession(c.cluster_id, None, 4096)
         c.session, c.connected = s, True
         self.shard.sessions.install(s)
-        self.shard._resync(s)
+        self.shard.resync(s)
         c.task = asyncio.ensure_future(c.serve())
 
     def _disconnect(self, c: SimCluster) -> None:
@@ -326,7 +326,8 @@ class Simulator:
         demand = {cid: c.demand_machines(cycle) for cid, c in self.clusters.items()}
         self.checker.after_cycle(cycle, self.loop.time(), self.provider, sh.view, demand, self.stub.creates_started,
                                  need_bounds=self._need_bounds(),
-                                 cluster_nodes={cid: c.nodes for cid, c in self.clusters.items()})
+                                 cluster_nodes={cid: c.nodes for cid, c in self.clusters.items()},
+                                 guard_held=frozenset(c for c in self.clusters if sh.intake.guard.held(c)))
         self._stats(cycle, decision, demand)
 
     def _need_bounds(self) -> dict[tuple[str, str], int]:
@@ -376,7 +377,7 @@ class Simulator:
             await self._cycle(self.sc.cycles + i, final_demand=True)
         # Let actions issued by the last cycles finish (virtual time, so this costs nothing): a flow
         # still running after its own deadline has passed is a stuck flow.
-        pending = set(self.shard.executor._tasks)
+        pending = self.shard.executor.running()
         if pending:
             bound = 3 * self.sc.execute_timeout + self.shard.config.engine.reclaim_grace_seconds
             await asyncio.wait(pending, timeout=bound)

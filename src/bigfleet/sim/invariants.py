@@ -43,7 +43,7 @@ class InvariantChecker:
     _since: dict[str, float] = field(default_factory=dict)
     _state: dict[str, int] = field(default_factory=dict)
     _now: float = 0.0
-    _drops: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    _drops: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)  # (cycle, machines, held)
     _last_demand: dict[str, int] = field(default_factory=dict)
     max_violations: int = 200
 
@@ -65,7 +65,8 @@ class InvariantChecker:
 
     def after_cycle(self, cycle: int, now: float, provider: Any, view: Any, demand: dict[str, int],
                     creates: Counter[str], need_bounds: dict[tuple[str, str], int] | None = None,
-                    cluster_nodes: dict[str, dict[str, int]] | None = None) -> None:
+                    cluster_nodes: dict[str, dict[str, int]] | None = None,
+                    guard_held: frozenset[str] = frozenset()) -> None:
         self.cycle, self._now = cycle, now
         machines = provider.core.machines
         # inventory conserved: the provider never gains or loses a record; the shard forgets none
@@ -133,15 +134,19 @@ class InvariantChecker:
             want = demand.get(cluster, 0)
             prev = self._last_demand.get(cluster, want)
             if want < prev:
-                self._drops.setdefault(cluster, []).append((cycle, prev - want))
+                self._drops.setdefault(cluster, []).append((cycle, prev - want, 0))
+            if cluster in guard_held:
+                # The empty-roll-up guard holds a collapse of this cluster's demand on purpose (until
+                # it is restated for long enough): its reclaims may start that many cycles later.
+                self._drops[cluster] = [(at, amount, held + 1) for at, amount, held in self._drops.get(cluster, [])]
             cap = max(1, math.floor(self.reclaim_cap_fraction * have))
             allowance = 0
             keep = []
-            for at, amount in self._drops.get(cluster, []):
-                left = amount - cap * max(0, cycle - at - self.reclaim_lag_cycles)
+            for at, amount, held in self._drops.get(cluster, []):
+                left = amount - cap * max(0, cycle - at - self.reclaim_lag_cycles - held)
                 if left > 0:
                     allowance += left
-                    keep.append((at, amount))
+                    keep.append((at, amount, held))
             self._drops[cluster] = keep
             if have > want + 1 + allowance:
                 self._v("no-overprovision", f"{cluster}: {have} machines bound for a demand of at most {want} "

@@ -102,6 +102,7 @@ class ClusterCapacityNeeds(_message.Message):
     CLUSTER_ID_FIELD_NUMBER: _builtins.int
     TIMESTAMP_UNIX_NANOS_FIELD_NUMBER: _builtins.int
     NEEDS_FIELD_NUMBER: _builtins.int
+    DISRUPTION_BUDGETS_FIELD_NUMBER: _builtins.int
     cluster_id: _builtins.str
     """Stable identity of the cluster; the key the shard replaces on."""
     timestamp_unix_nanos: _builtins.int
@@ -110,16 +111,24 @@ class ClusterCapacityNeeds(_message.Message):
     def needs(self) -> _containers.RepeatedCompositeFieldContainer[Global___CapacityNeed]:
         """The whole current demand, aggregated. Empty means "nothing wanted"."""
 
+    @_builtins.property
+    def disruption_budgets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Python addition: this cluster's disruption budget, overriding the shard's defaults. Each
+        entry is one rule "NODES/WINDOW[;reasons=R,...][;blackout=DAYS HH:MM-HH:MM|...]", e.g.
+        "10%/10m" (docs/disruption-budgets.md). Empty keeps the shard's defaults.
+        """
+
     def __init__(
         self,
         *,
         cluster_id: _builtins.str = ...,
         timestamp_unix_nanos: _builtins.int = ...,
         needs: _abc.Iterable[Global___CapacityNeed] | None = ...,
+        disruption_budgets: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "needs", b"needs", "timestamp_unix_nanos", b"timestamp_unix_nanos"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "disruption_budgets", b"disruption_budgets", "needs", b"needs", "timestamp_unix_nanos", b"timestamp_unix_nanos"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -24,9 +24,10 @@ _sym_db = _symbol_database.Default()
 
 from bigfleet.v1alpha1 import capacity_pb2 as bigfleet_dot_v1alpha1_dot_capacity__pb2
 from bigfleet.v1alpha1 import provider_pb2 as bigfleet_dot_v1alpha1_dot_provider__pb2
+from bigfleet.v1alpha1 import shardread_pb2 as bigfleet_dot_v1alpha1_dot_shardread__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x62igfleet/v1alpha1/shard.proto\x12\x11\x62igfleet.v1alpha1\x1a bigfleet/v1alpha1/capacity.proto\x1a bigfleet/v1alpha1/provider.proto\"\x80\x02\n\x0fOperatorMessage\x12)\n\x05hello\x18\x01 \x01(\x0b\x32\x18.bigfleet.v1alpha1.HelloH\x00\x12\x39\n\x06rollup\x18\x02 \x01(\x0b\x32\'.bigfleet.v1alpha1.ClusterCapacityNeedsH\x00\x12\x46\n\x12\x62ootstrap_response\x18\x03 \x01(\x0b\x32(.bigfleet.v1alpha1.BootstrapBlobResponseH\x00\x12\x34\n\x0breclaim_ack\x18\x04 \x01(\x0b\x32\x1d.bigfleet.v1alpha1.ReclaimAckH\x00\x42\t\n\x07payload\"\xdf\x02\n\x0cShardMessage\x12\x31\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\".bigfleet.v1alpha1.AcknowledgementH\x00\x12@\n\x11\x62ootstrap_request\x18\x02 \x01(\x0b\x32#.bigfleet.v1alpha1.BootstrapRequestH\x00\x12\x44\n\x13reclaim_instruction\x18\x03 \x01(\x0b\x32%.bigfleet.v1alpha1.ReclaimInstructionH\x00\x12?\n\x11node_state_update\x18\x04 \x01(\x0b\x32\".bigfleet.v1alpha1.NodeStateUpdateH\x00\x12H\n\x12\x61vailable_capacity\x18\x05 \x01(\x0b\x32*.bigfleet.v1alpha1.AvailableCapacityUpdateH\x00\x42\t\n\x07payload\";\n\x05Hello\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\tJ\x04\x08\x02\x10\x03\"N\n\x0f\x41\x63knowledgement\x12\x0c\n\x04\x65\x63ho\x18\x01 \x01(\t\x12\x18\n\x10\x63oordinator_term\x18\x02 \x01(\x03\x12\x13\n\x0bshard_epoch\x18\x03 \x01(\x03\"|\n\x10\x42ootstrapRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12@\n\x0crequirements\x18\x02 \x03(\x0b\x32*.bigfleet.v1alpha1.NodeSelectorRequirement\x12\x12\n\ncluster_id\x18\x03 \x01(\t\"b\n\x15\x42ootstrapBlobResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tuser_data\x18\x02 \x01(\x0c\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x03\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"u\n\x12ReclaimInstruction\x12\x16\n\x0einstruction_id\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x03(\t\x12\x1c\n\x14grace_period_seconds\x18\x03 \x01(\x03\x12\x1a\n\x12preemptor_priority\x18\x04 \x01(\x05\";\n\nReclaimAck\x12\x16\n\x0einstruction_id\x18\x01 \x01(\t\x12\x15\n\rnodes_started\x18\x02 \x01(\x05\"\x8d\x03\n\x0fNodeStateUpdate\x12\x16\n\x0esupersedes_key\x18\x01 \x01(\t\x12\x12\n\nmachine_id\x18\x02 \x01(\t\x12\x12\n\ncluster_id\x18\x03 \x01(\t\x12.\n\x05state\x18\x04 \x01(\x0e\x32\x1f.bigfleet.v1alpha1.MachineState\x12\x11\n\tnode_name\x18\x05 \x01(\t\x12\x13\n\x0bprovider_id\x18\x06 \x01(\t\x12\x12\n\nlast_error\x18\x08 \x01(\t\x12>\n\x06labels\x18\t \x03(\x0b\x32..bigfleet.v1alpha1.NodeStateUpdate.LabelsEntry\x12/\n\tresources\x18\n \x01(\x0b\x32\x1c.bigfleet.v1alpha1.Resources\x12(\n\x06taints\x18\x0b \x03(\x0b\x32\x18.bigfleet.v1alpha1.Taint\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x07\x10\x08\"3\n\x05Taint\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\x0e\n\x06\x65\x66\x66\x65\x63t\x18\x03 \x01(\t\"\xb0\x03\n\x17\x41vailableCapacityUpdate\x12\x16\n\x0esupersedes_key\x18\x01 \x01(\t\x12@\n\x0crequirements\x18\x02 \x03(\x0b\x32*.bigfleet.v1alpha1.NodeSelectorRequirement\x12/\n\tresources\x18\x03 \x01(\x0b\x32\x1c.bigfleet.v1alpha1.Resources\x12\x17\n\x0f\x61vailable_count\x18\x04 \x01(\x05\x12I\n\nconfidence\x18\x05 \x01(\x0e\x32\x35.bigfleet.v1alpha1.AvailableCapacityUpdate.Confidence\x12\x15\n\rcost_per_hour\x18\x06 \x01(\x01\"}\n\nConfidence\x12\x1a\n\x16\x43ONFIDENCE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x43ONFIDENCE_NONE\x10\x01\x12\x12\n\x0e\x43ONFIDENCE_LOW\x10\x02\x12\x15\n\x11\x43ONFIDENCE_MEDIUM\x10\x03\x12\x13\n\x0f\x43ONFIDENCE_HIGH\x10\x04J\x04\x08\x07\x10\x08J\x04\x08\x08\x10\tJ\x04\x08\t\x10\n2[\n\x05Shard\x12R\n\x07Session\x12\".bigfleet.v1alpha1.OperatorMessage\x1a\x1f.bigfleet.v1alpha1.ShardMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x62igfleet/v1alpha1/shard.proto\x12\x11\x62igfleet.v1alpha1\x1a bigfleet/v1alpha1/capacity.proto\x1a bigfleet/v1alpha1/provider.proto\x1a!bigfleet/v1alpha1/shardread.proto\"\xcd\x02\n\x0fOperatorMessage\x12)\n\x05hello\x18\x01 \x01(\x0b\x32\x18.bigfleet.v1alpha1.HelloH\x00\x12\x39\n\x06rollup\x18\x02 \x01(\x0b\x32\'.bigfleet.v1alpha1.ClusterCapacityNeedsH\x00\x12\x46\n\x12\x62ootstrap_response\x18\x03 \x01(\x0b\x32(.bigfleet.v1alpha1.BootstrapBlobResponseH\x00\x12\x34\n\x0breclaim_ack\x18\x04 \x01(\x0b\x32\x1d.bigfleet.v1alpha1.ReclaimAckH\x00\x12K\n\x14registration_timeout\x18\xe9\x07 \x01(\x0b\x32*.bigfleet.v1alpha1.NodeRegistrationTimeoutH\x00\x42\t\n\x07payload\"\x9a\x03\n\x0cShardMessage\x12\x31\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\".bigfleet.v1alpha1.AcknowledgementH\x00\x12@\n\x11\x62ootstrap_request\x18\x02 \x01(\x0b\x32#.bigfleet.v1alpha1.BootstrapRequestH\x00\x12\x44\n\x13reclaim_instruction\x18\x03 \x01(\x0b\x32%.bigfleet.v1alpha1.ReclaimInstructionH\x00\x12?\n\x11node_state_update\x18\x04 \x01(\x0b\x32\".bigfleet.v1alpha1.NodeStateUpdateH\x00\x12H\n\x12\x61vailable_capacity\x18\x05 \x01(\x0b\x32*.bigfleet.v1alpha1.AvailableCapacityUpdateH\x00\x12\x39\n\rneed_verdicts\x18\xe9\x07 \x01(\x0b\x32\x1f.bigfleet.v1alpha1.NeedVerdictsH\x00\x42\t\n\x07payload\";\n\x05Hello\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\tJ\x04\x08\x02\x10\x03\"d\n\x0f\x41\x63knowledgement\x12\x0c\n\x04\x65\x63ho\x18\x01 \x01(\t\x12\x18\n\x10\x63oordinator_term\x18\x02 \x01(\x03\x12\x13\n\x0bshard_epoch\x18\x03 \x01(\x03\x12\x14\n\x0brollup_held\x18\xe9\x07 \x01(\x08\"|\n\x10\x42ootstrapRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12@\n\x0crequirements\x18\x02 \x03(\x0b\x32*.bigfleet.v1alpha1.NodeSelectorRequirement\x12\x12\n\ncluster_id\x18\x03 \x01(\t\"b\n\x15\x42ootstrapBlobResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tuser_data\x18\x02 \x01(\x0c\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x03\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"u\n\x12ReclaimInstruction\x12\x16\n\x0einstruction_id\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x03(\t\x12\x1c\n\x14grace_period_seconds\x18\x03 \x01(\x03\x12\x1a\n\x12preemptor_priority\x18\x04 \x01(\x05\";\n\nReclaimAck\x12\x16\n\x0einstruction_id\x18\x01 \x01(\t\x12\x15\n\rnodes_started\x18\x02 \x01(\x05\"\x8d\x03\n\x0fNodeStateUpdate\x12\x16\n\x0esupersedes_key\x18\x01 \x01(\t\x12\x12\n\nmachine_id\x18\x02 \x01(\t\x12\x12\n\ncluster_id\x18\x03 \x01(\t\x12.\n\x05state\x18\x04 \x01(\x0e\x32\x1f.bigfleet.v1alpha1.MachineState\x12\x11\n\tnode_name\x18\x05 \x01(\t\x12\x13\n\x0bprovider_id\x18\x06 \x01(\t\x12\x12\n\nlast_error\x18\x08 \x01(\t\x12>\n\x06labels\x18\t \x03(\x0b\x32..bigfleet.v1alpha1.NodeStateUpdate.LabelsEntry\x12/\n\tresources\x18\n \x01(\x0b\x32\x1c.bigfleet.v1alpha1.Resources\x12(\n\x06taints\x18\x0b \x03(\x0b\x32\x18.bigfleet.v1alpha1.Taint\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x07\x10\x08\"3\n\x05Taint\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\x0e\n\x06\x65\x66\x66\x65\x63t\x18\x03 \x01(\t\"\xb0\x03\n\x17\x41vailableCapacityUpdate\x12\x16\n\x0esupersedes_key\x18\x01 \x01(\t\x12@\n\x0crequirements\x18\x02 \x03(\x0b\x32*.bigfleet.v1alpha1.NodeSelectorRequirement\x12/\n\tresources\x18\x03 \x01(\x0b\x32\x1c.bigfleet.v1alpha1.Resources\x12\x17\n\x0f\x61vailable_count\x18\x04 \x01(\x05\x12I\n\nconfidence\x18\x05 \x01(\x0e\x32\x35.bigfleet.v1alpha1.AvailableCapacityUpdate.Confidence\x12\x15\n\rcost_per_hour\x18\x06 \x01(\x01\"}\n\nConfidence\x12\x1a\n\x16\x43ONFIDENCE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x43ONFIDENCE_NONE\x10\x01\x12\x12\n\x0e\x43ONFIDENCE_LOW\x10\x02\x12\x15\n\x11\x43ONFIDENCE_MEDIUM\x10\x03\x12\x13\n\x0f\x43ONFIDENCE_HIGH\x10\x04J\x04\x08\x07\x10\x08J\x04\x08\x08\x10\tJ\x04\x08\t\x10\n\"\x9b\x01\n\x0cNeedVerdicts\x12\x16\n\x0esupersedes_key\x18\x01 \x01(\t\x12\x12\n\ncluster_id\x18\x02 \x01(\t\x12\r\n\x05\x63ycle\x18\x03 \x01(\x03\x12\x1e\n\x16\x63omputed_at_unix_nanos\x18\x04 \x01(\x03\x12\x30\n\x08verdicts\x18\x05 \x03(\x0b\x32\x1e.bigfleet.v1alpha1.NeedVerdict\"\xa1\x03\n\x0bNeedVerdict\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x11\n\tsatisfied\x18\x02 \x01(\x08\x12\x34\n\x0cunmet_reason\x18\x03 \x01(\x0e\x32\x1e.bigfleet.v1alpha1.UnmetReason\x12\x16\n\x0emachines_bound\x18\x04 \x01(\x05\x12\x17\n\x0fmachines_coming\x18\x05 \x01(\x05\x12\x18\n\x10machines_missing\x18\x06 \x01(\x05\x12\x1c\n\x14shortfall_age_cycles\x18\x07 \x01(\x05\x12\x1d\n\x15shortfall_age_seconds\x18\x08 \x01(\x03\x12\x11\n\tescalated\x18\t \x01(\x08\x12-\n\x07\x64\x65\x66icit\x18\n \x01(\x0b\x32\x1c.bigfleet.v1alpha1.Resources\x12:\n\x0fmatching_supply\x18\x0b \x01(\x0b\x32!.bigfleet.v1alpha1.MatchingSupply\x12\x15\n\rvictims_found\x18\x0c \x01(\x05\x12\x17\n\x0f\x62ootstrap_error\x18\r \x01(\t\"X\n\x17NodeRegistrationTimeout\x12\x12\n\nmachine_id\x18\x01 \x01(\t\x12\x11\n\tnode_name\x18\x02 \x01(\t\x12\x16\n\x0ewaited_seconds\x18\x03 \x01(\x03\x32[\n\x05Shard\x12R\n\x07Session\x12\".bigfleet.v1alpha1.OperatorMessage\x1a\x1f.bigfleet.v1alpha1.ShardMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,32 +36,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_NODESTATEUPDATE_LABELSENTRY']._loaded_options = None
   _globals['_NODESTATEUPDATE_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_OPERATORMESSAGE']._serialized_start=121
-  _globals['_OPERATORMESSAGE']._serialized_end=377
-  _globals['_SHARDMESSAGE']._serialized_start=380
-  _globals['_SHARDMESSAGE']._serialized_end=731
-  _globals['_HELLO']._serialized_start=733
-  _globals['_HELLO']._serialized_end=792
-  _globals['_ACKNOWLEDGEMENT']._serialized_start=794
-  _globals['_ACKNOWLEDGEMENT']._serialized_end=872
-  _globals['_BOOTSTRAPREQUEST']._serialized_start=874
-  _globals['_BOOTSTRAPREQUEST']._serialized_end=998
-  _globals['_BOOTSTRAPBLOBRESPONSE']._serialized_start=1000
-  _globals['_BOOTSTRAPBLOBRESPONSE']._serialized_end=1098
-  _globals['_RECLAIMINSTRUCTION']._serialized_start=1100
-  _globals['_RECLAIMINSTRUCTION']._serialized_end=1217
-  _globals['_RECLAIMACK']._serialized_start=1219
-  _globals['_RECLAIMACK']._serialized_end=1278
-  _globals['_NODESTATEUPDATE']._serialized_start=1281
-  _globals['_NODESTATEUPDATE']._serialized_end=1678
-  _globals['_NODESTATEUPDATE_LABELSENTRY']._serialized_start=1627
-  _globals['_NODESTATEUPDATE_LABELSENTRY']._serialized_end=1672
-  _globals['_TAINT']._serialized_start=1680
-  _globals['_TAINT']._serialized_end=1731
-  _globals['_AVAILABLECAPACITYUPDATE']._serialized_start=1734
-  _globals['_AVAILABLECAPACITYUPDATE']._serialized_end=2166
-  _globals['_AVAILABLECAPACITYUPDATE_CONFIDENCE']._serialized_start=2023
-  _globals['_AVAILABLECAPACITYUPDATE_CONFIDENCE']._serialized_end=2148
-  _globals['_SHARD']._serialized_start=2168
-  _globals['_SHARD']._serialized_end=2259
+  _globals['_OPERATORMESSAGE']._serialized_start=156
+  _globals['_OPERATORMESSAGE']._serialized_end=489
+  _globals['_SHARDMESSAGE']._serialized_start=492
+  _globals['_SHARDMESSAGE']._serialized_end=902
+  _globals['_HELLO']._serialized_start=904
+  _globals['_HELLO']._serialized_end=963
+  _globals['_ACKNOWLEDGEMENT']._serialized_start=965
+  _globals['_ACKNOWLEDGEMENT']._serialized_end=1065
+  _globals['_BOOTSTRAPREQUEST']._serialized_start=1067
+  _globals['_BOOTSTRAPREQUEST']._serialized_end=1191
+  _globals['_BOOTSTRAPBLOBRESPONSE']._serialized_start=1193
+  _globals['_BOOTSTRAPBLOBRESPONSE']._serialized_end=1291
+  _globals['_RECLAIMINSTRUCTION']._serialized_start=1293
+  _globals['_RECLAIMINSTRUCTION']._serialized_end=1410
+  _globals['_RECLAIMACK']._serialized_start=1412
+  _globals['_RECLAIMACK']._serialized_end=1471
+  _globals['_NODESTATEUPDATE']._serialized_start=1474
+  _globals['_NODESTATEUPDATE']._serialized_end=1871
+  _globals['_NODESTATEUPDATE_LABELSENTRY']._serialized_start=1820
+  _globals['_NODESTATEUPDATE_LABELSENTRY']._serialized_end=1865
+  _globals['_TAINT']._serialized_start=1873
+  _globals['_TAINT']._serialized_end=1924
+  _globals['_AVAILABLECAPACITYUPDATE']._serialized_start=1927
+  _globals['_AVAILABLECAPACITYUPDATE']._serialized_end=2359
+  _globals['_AVAILABLECAPACITYUPDATE_CONFIDENCE']._serialized_start=2216
+  _globals['_AVAILABLECAPACITYUPDATE_CONFIDENCE']._serialized_end=2341
+  _globals['_NEEDVERDICTS']._serialized_start=2362
+  _globals['_NEEDVERDICTS']._serialized_end=2517
+  _globals['_NEEDVERDICT']._serialized_start=2520
+  _globals['_NEEDVERDICT']._serialized_end=2937
+  _globals['_NODEREGISTRATIONTIMEOUT']._serialized_start=2939
+  _globals['_NODEREGISTRATIONTIMEOUT']._serialized_end=3027
+  _globals['_SHARD']._serialized_start=3029
+  _globals['_SHARD']._serialized_end=3120
 # @@protoc_insertion_point(module_scope)

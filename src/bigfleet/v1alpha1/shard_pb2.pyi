@@ -11,6 +11,7 @@ older queued frame with the same key can be dropped for a newer one.
 
 from bigfleet.v1alpha1 import capacity_pb2 as _capacity_pb2
 from bigfleet.v1alpha1 import provider_pb2 as _provider_pb2
+from bigfleet.v1alpha1 import shardread_pb2 as _shardread_pb2
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -37,6 +38,7 @@ class OperatorMessage(_message.Message):
     ROLLUP_FIELD_NUMBER: _builtins.int
     BOOTSTRAP_RESPONSE_FIELD_NUMBER: _builtins.int
     RECLAIM_ACK_FIELD_NUMBER: _builtins.int
+    REGISTRATION_TIMEOUT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___Hello: ...
     @_builtins.property
@@ -45,6 +47,10 @@ class OperatorMessage(_message.Message):
     def bootstrap_response(self) -> Global___BootstrapBlobResponse: ...
     @_builtins.property
     def reclaim_ack(self) -> Global___ReclaimAck: ...
+    @_builtins.property
+    def registration_timeout(self) -> Global___NodeRegistrationTimeout:
+        """Python addition: a Configured machine whose Node never registered."""
+
     def __init__(
         self,
         *,
@@ -52,12 +58,13 @@ class OperatorMessage(_message.Message):
         rollup: _capacity_pb2.ClusterCapacityNeeds | None = ...,
         bootstrap_response: Global___BootstrapBlobResponse | None = ...,
         reclaim_ack: Global___ReclaimAck | None = ...,
+        registration_timeout: Global___NodeRegistrationTimeout | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["bootstrap_response", b"bootstrap_response", "hello", b"hello", "payload", b"payload", "reclaim_ack", b"reclaim_ack", "rollup", b"rollup"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["bootstrap_response", b"bootstrap_response", "hello", b"hello", "payload", b"payload", "reclaim_ack", b"reclaim_ack", "registration_timeout", b"registration_timeout", "rollup", b"rollup"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_response", b"bootstrap_response", "hello", b"hello", "payload", b"payload", "reclaim_ack", b"reclaim_ack", "rollup", b"rollup"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_response", b"bootstrap_response", "hello", b"hello", "payload", b"payload", "reclaim_ack", b"reclaim_ack", "registration_timeout", b"registration_timeout", "rollup", b"rollup"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["hello", "rollup", "bootstrap_response", "reclaim_ack"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["hello", "rollup", "bootstrap_response", "reclaim_ack", "registration_timeout"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
@@ -74,6 +81,7 @@ class ShardMessage(_message.Message):
     RECLAIM_INSTRUCTION_FIELD_NUMBER: _builtins.int
     NODE_STATE_UPDATE_FIELD_NUMBER: _builtins.int
     AVAILABLE_CAPACITY_FIELD_NUMBER: _builtins.int
+    NEED_VERDICTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def ack(self) -> Global___Acknowledgement: ...
     @_builtins.property
@@ -84,6 +92,10 @@ class ShardMessage(_message.Message):
     def node_state_update(self) -> Global___NodeStateUpdate: ...
     @_builtins.property
     def available_capacity(self) -> Global___AvailableCapacityUpdate: ...
+    @_builtins.property
+    def need_verdicts(self) -> Global___NeedVerdicts:
+        """Python addition: the engine's verdict on each of the cluster's needs."""
+
     def __init__(
         self,
         *,
@@ -92,12 +104,13 @@ class ShardMessage(_message.Message):
         reclaim_instruction: Global___ReclaimInstruction | None = ...,
         node_state_update: Global___NodeStateUpdate | None = ...,
         available_capacity: Global___AvailableCapacityUpdate | None = ...,
+        need_verdicts: Global___NeedVerdicts | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "available_capacity", b"available_capacity", "bootstrap_request", b"bootstrap_request", "node_state_update", b"node_state_update", "payload", b"payload", "reclaim_instruction", b"reclaim_instruction"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "available_capacity", b"available_capacity", "bootstrap_request", b"bootstrap_request", "need_verdicts", b"need_verdicts", "node_state_update", b"node_state_update", "payload", b"payload", "reclaim_instruction", b"reclaim_instruction"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "available_capacity", b"available_capacity", "bootstrap_request", b"bootstrap_request", "node_state_update", b"node_state_update", "payload", b"payload", "reclaim_instruction", b"reclaim_instruction"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "available_capacity", b"available_capacity", "bootstrap_request", b"bootstrap_request", "need_verdicts", b"need_verdicts", "node_state_update", b"node_state_update", "payload", b"payload", "reclaim_instruction", b"reclaim_instruction"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["ack", "bootstrap_request", "reclaim_instruction", "node_state_update", "available_capacity"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["ack", "bootstrap_request", "reclaim_instruction", "node_state_update", "available_capacity", "need_verdicts"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
@@ -139,20 +152,27 @@ class Acknowledgement(_message.Message):
     ECHO_FIELD_NUMBER: _builtins.int
     COORDINATOR_TERM_FIELD_NUMBER: _builtins.int
     SHARD_EPOCH_FIELD_NUMBER: _builtins.int
+    ROLLUP_HELD_FIELD_NUMBER: _builtins.int
     echo: _builtins.str
     """"hello" or "rollup"."""
     coordinator_term: _builtins.int
     shard_epoch: _builtins.int
+    rollup_held: _builtins.bool
+    """Python addition: on a "rollup" ack, the shard's empty-roll-up guard is holding this roll-up
+    (a sudden collapse of the cluster's demand): the previous demand stays in force until the
+    collapse is restated over the hold period.
+    """
     def __init__(
         self,
         *,
         echo: _builtins.str = ...,
         coordinator_term: _builtins.int = ...,
         shard_epoch: _builtins.int = ...,
+        rollup_held: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_term", b"coordinator_term", "echo", b"echo", "shard_epoch", b"shard_epoch"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_term", b"coordinator_term", "echo", b"echo", "rollup_held", b"rollup_held", "shard_epoch", b"shard_epoch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -440,3 +460,153 @@ class AvailableCapacityUpdate(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AvailableCapacityUpdate: _TypeAlias = AvailableCapacityUpdate  # noqa: Y015
+
+@_typing.final
+class NeedVerdicts(_message.Message):
+    """Python addition (shard → operator): the engine's verdict on each need of one cluster, from the
+    shard's last cycle. Sent after a cycle in which the cluster's verdicts changed (ages alone do not
+    count, they are refreshed at most every minute), and after every Hello. Coalesced per cluster:
+    a newer frame replaces an unsent older one. Lists every need the cycle decided on for the cluster;
+    a need of the last roll-up that is missing has not been decided on yet.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUPERSEDES_KEY_FIELD_NUMBER: _builtins.int
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    CYCLE_FIELD_NUMBER: _builtins.int
+    COMPUTED_AT_UNIX_NANOS_FIELD_NUMBER: _builtins.int
+    VERDICTS_FIELD_NUMBER: _builtins.int
+    supersedes_key: _builtins.str
+    """"verdicts:<cluster_id>"."""
+    cluster_id: _builtins.str
+    cycle: _builtins.int
+    """The shard cycle the verdicts come from, and when it ran (Unix nanoseconds, wall clock)."""
+    computed_at_unix_nanos: _builtins.int
+    @_builtins.property
+    def verdicts(self) -> _containers.RepeatedCompositeFieldContainer[Global___NeedVerdict]: ...
+    def __init__(
+        self,
+        *,
+        supersedes_key: _builtins.str = ...,
+        cluster_id: _builtins.str = ...,
+        cycle: _builtins.int = ...,
+        computed_at_unix_nanos: _builtins.int = ...,
+        verdicts: _abc.Iterable[Global___NeedVerdict] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "computed_at_unix_nanos", b"computed_at_unix_nanos", "cycle", b"cycle", "supersedes_key", b"supersedes_key", "verdicts", b"verdicts"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NeedVerdicts: _TypeAlias = NeedVerdicts  # noqa: Y015
+
+@_typing.final
+class NeedVerdict(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FINGERPRINT_FIELD_NUMBER: _builtins.int
+    SATISFIED_FIELD_NUMBER: _builtins.int
+    UNMET_REASON_FIELD_NUMBER: _builtins.int
+    MACHINES_BOUND_FIELD_NUMBER: _builtins.int
+    MACHINES_COMING_FIELD_NUMBER: _builtins.int
+    MACHINES_MISSING_FIELD_NUMBER: _builtins.int
+    SHORTFALL_AGE_CYCLES_FIELD_NUMBER: _builtins.int
+    SHORTFALL_AGE_SECONDS_FIELD_NUMBER: _builtins.int
+    ESCALATED_FIELD_NUMBER: _builtins.int
+    DEFICIT_FIELD_NUMBER: _builtins.int
+    MATCHING_SUPPLY_FIELD_NUMBER: _builtins.int
+    VICTIMS_FOUND_FIELD_NUMBER: _builtins.int
+    BOOTSTRAP_ERROR_FIELD_NUMBER: _builtins.int
+    fingerprint: _builtins.str
+    """The need's profile fingerprint (ShardRead NeedView.profile_fingerprint). An operator computes
+    the same value from the CapacityNeed it sent (bigfleet.needs.profile_from_proto).
+    """
+    satisfied: _builtins.bool
+    unmet_reason: _shardread_pb2.UnmetReason.ValueType
+    """Why the need is unmet; UNSPECIFIED when satisfied."""
+    machines_bound: _builtins.int
+    """Machines serving the need (Configured)."""
+    machines_coming: _builtins.int
+    """Machines being created or configured for it."""
+    machines_missing: _builtins.int
+    """Machines still missing: the deficit over the size of a machine that would serve the need (the
+    need's min_unit when no such machine is known). 0 when satisfied, at least 1 when not.
+    """
+    shortfall_age_cycles: _builtins.int
+    """Consecutive cycles the need has been unmet, and seconds since this shard leader first saw it
+    unmet. 0 when satisfied.
+    """
+    shortfall_age_seconds: _builtins.int
+    escalated: _builtins.bool
+    """Unmet for longer than the escalation age: the coordinator may move capacity from other shards."""
+    victims_found: _builtins.int
+    """Lower-priority machines Phase 2 found to preempt for this need in the cycle."""
+    bootstrap_error: _builtins.str
+    """Why the last bootstrap pull for this need failed; empty once a machine was configured for it."""
+    @_builtins.property
+    def deficit(self) -> _provider_pb2.Resources:
+        """What is still missing (unsatisfied only)."""
+
+    @_builtins.property
+    def matching_supply(self) -> _shardread_pb2.MatchingSupply:
+        """Machines matching the need, per state (unsatisfied only)."""
+
+    def __init__(
+        self,
+        *,
+        fingerprint: _builtins.str = ...,
+        satisfied: _builtins.bool = ...,
+        unmet_reason: _shardread_pb2.UnmetReason.ValueType = ...,
+        machines_bound: _builtins.int = ...,
+        machines_coming: _builtins.int = ...,
+        machines_missing: _builtins.int = ...,
+        shortfall_age_cycles: _builtins.int = ...,
+        shortfall_age_seconds: _builtins.int = ...,
+        escalated: _builtins.bool = ...,
+        deficit: _provider_pb2.Resources | None = ...,
+        matching_supply: _shardread_pb2.MatchingSupply | None = ...,
+        victims_found: _builtins.int = ...,
+        bootstrap_error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deficit", b"deficit", "matching_supply", b"matching_supply"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_error", b"bootstrap_error", "deficit", b"deficit", "escalated", b"escalated", "fingerprint", b"fingerprint", "machines_bound", b"machines_bound", "machines_coming", b"machines_coming", "machines_missing", b"machines_missing", "matching_supply", b"matching_supply", "satisfied", b"satisfied", "shortfall_age_cycles", b"shortfall_age_cycles", "shortfall_age_seconds", b"shortfall_age_seconds", "unmet_reason", b"unmet_reason", "victims_found", b"victims_found"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NeedVerdict: _TypeAlias = NeedVerdict  # noqa: Y015
+
+@_typing.final
+class NodeRegistrationTimeout(_message.Message):
+    """Python addition (operator → shard): a machine the shard reported Configured for this cluster whose
+    Kubernetes Node did not register within the operator's --node-registration-timeout. The shard
+    marks it FAILED (last_error "RegistrationTimeout: ..."), so it stops counting as supply and the
+    engine provisions a replacement. Idempotent; only machines bound to the session's cluster count.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MACHINE_ID_FIELD_NUMBER: _builtins.int
+    NODE_NAME_FIELD_NUMBER: _builtins.int
+    WAITED_SECONDS_FIELD_NUMBER: _builtins.int
+    machine_id: _builtins.str
+    node_name: _builtins.str
+    """The node name the operator waited for."""
+    waited_seconds: _builtins.int
+    """How long the operator waited since it saw the machine Configured."""
+    def __init__(
+        self,
+        *,
+        machine_id: _builtins.str = ...,
+        node_name: _builtins.str = ...,
+        waited_seconds: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["machine_id", b"machine_id", "node_name", b"node_name", "waited_seconds", b"waited_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeRegistrationTimeout: _TypeAlias = NodeRegistrationTimeout  # noqa: Y015

@@ -26,10 +26,11 @@ import grpc
 from grpc_health.v1 import health as grpc_health
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from bigfleet.coordinator.client import HeartbeatLoop
+from bigfleet.coordinator.client import CoordinatorClient, HeartbeatLoop
 from bigfleet.dashboard.sources import ShardSource
 from bigfleet.observability import get_logger
 from bigfleet.rpc.options import NOT_SERVING, SERVING
+from bigfleet.security.tls import TLSConfig
 from bigfleet.shard.daemon import DaemonConfig, ShardDaemon
 from bigfleet.shard.ha.node import ShardLog
 from bigfleet.shard.handoff import load_legacy_ledger
@@ -104,7 +105,7 @@ class HAMetrics:
 class Heartbeats:
     """How the leader reports to the coordinator (only the leader does, with its term's epoch)."""
 
-    client: Any  # bigfleet.coordinator.client.CoordinatorClient
+    client: CoordinatorClient
     interval: float = 10.0
     state_file: Path | None = None
 
@@ -119,7 +120,7 @@ class HAController:
         metrics: ShardMetrics,
         health: grpc_health.aio.HealthServicer,
         advertise: str,
-        tls: Any = None,
+        tls: TLSConfig | None = None,
         poll: float = 0.05,
         registry: CollectorRegistry | None = None,
         epoch_file: Path | None = None,

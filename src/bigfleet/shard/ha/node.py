@@ -18,6 +18,7 @@ from typing import Protocol, TypeVar
 
 from pysyncobj import replicated
 
+from bigfleet.budget import Disruption
 from bigfleet.decision.types import EngineState
 from bigfleet.raft import LockedConsumer, RaftBridge, RaftError, RaftSettings
 from bigfleet.shard.ha.state import HAState, Ledger
@@ -53,6 +54,11 @@ class ShardLog(Protocol):
 
     async def save_engine(self, state: EngineState, version: int, epoch: int, timeout: float = 5.0) -> bool: ...
 
+    async def hold_rollup(self, cluster_id: str, held: int, since: int, epoch: int, timeout: float = 5.0) -> bool: ...
+
+    async def record_disruptions(self, entries: tuple[tuple[str, Disruption], ...], keep_after: int, epoch: int,
+                                 timeout: float = 5.0) -> bool: ...
+
     async def release_cluster(self, cluster_id: str, machine_ids: tuple[str, ...], to_shard: str, address: str,
                               epoch: int, timeout: float = 10.0) -> tuple[str, ...] | None: ...
 
@@ -80,6 +86,16 @@ class _Replicated(LockedConsumer[HAState]):
     def save_engine(self, state: EngineState, version: int, epoch: int) -> bool:
         with self.lock:
             return self.fsm.save_engine(state, version, epoch)
+
+    @replicated  # type: ignore[untyped-decorator,misc,unused-ignore]
+    def hold_rollup(self, cluster_id: str, held: int, since: int, epoch: int) -> bool:
+        with self.lock:
+            return self.fsm.hold_rollup(cluster_id, held, since, epoch)
+
+    @replicated  # type: ignore[untyped-decorator,misc,unused-ignore]
+    def record_disruptions(self, entries: tuple[tuple[str, Disruption], ...], keep_after: int, epoch: int) -> bool:
+        with self.lock:
+            return self.fsm.record_disruptions(entries, keep_after, epoch)
 
     @replicated  # type: ignore[untyped-decorator,misc,unused-ignore]
     def claim(self, raft_term: int, node: str, advertise: str, floor: int = 0) -> int:
@@ -134,6 +150,15 @@ class ShardRaft(RaftBridge[HAState]):
 
     async def save_engine(self, state: EngineState, version: int, epoch: int, timeout: float = 5.0) -> bool:
         return bool(await self.call(self._ha.save_engine, state, version, epoch, timeout=timeout))
+
+    async def hold_rollup(self, cluster_id: str, held: int, since: int, epoch: int, timeout: float = 5.0) -> bool:
+        return bool(await self.call(self._ha.hold_rollup, cluster_id, held, since, epoch, timeout=timeout,
+                                    what="hold_rollup"))
+
+    async def record_disruptions(self, entries: tuple[tuple[str, Disruption], ...], keep_after: int, epoch: int,
+                                 timeout: float = 5.0) -> bool:
+        return bool(await self.call(self._ha.record_disruptions, entries, keep_after, epoch, timeout=timeout,
+                                    what="record_disruptions"))
 
     async def claim(self, advertise: str, floor: int = 0, timeout: float = 5.0) -> tuple[int, int]:
         """(epoch, raft term claimed); epoch 0 means refused."""
@@ -197,6 +222,13 @@ class LocalLog:
 
     async def save_engine(self, state: EngineState, version: int, epoch: int, timeout: float = 5.0) -> bool:
         return self.state.save_engine(state, version, epoch)
+
+    async def hold_rollup(self, cluster_id: str, held: int, since: int, epoch: int, timeout: float = 5.0) -> bool:
+        return self.state.hold_rollup(cluster_id, held, since, epoch)
+
+    async def record_disruptions(self, entries: tuple[tuple[str, Disruption], ...], keep_after: int, epoch: int,
+                                 timeout: float = 5.0) -> bool:
+        return self.state.record_disruptions(entries, keep_after, epoch)
 
     async def release_cluster(self, cluster_id: str, machine_ids: tuple[str, ...], to_shard: str, address: str,
                               epoch: int, timeout: float = 10.0) -> tuple[str, ...] | None:

@@ -14,13 +14,16 @@ import signal
 import socket
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
+from structlog.typing import FilteringBoundLogger
+
+from bigfleet.dashboard import DashboardServer
 from bigfleet.observability import get_logger, new_registry, start_metrics_server
 from bigfleet.security.limits import SESSION_STREAM_LIMIT
 from bigfleet.security.roles import SHARD_POLICY, RoleInterceptor
 from bigfleet.security.tls import TLSConfig, add_port
 from bigfleet.shard.cli import build_server, daemon_config
+from bigfleet.shard.config import ShardSettings
 from bigfleet.shard.ha.controller import HAController, Heartbeats, register
 from bigfleet.shard.ha.node import ShardRaft, ShardRaftConfig
 from bigfleet.shard.handoff import LEDGER_FILE
@@ -44,7 +47,7 @@ def loopback_address() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def raft_member(settings: Any) -> tuple[str, list[str], str] | str:
+def raft_member(settings: ShardSettings) -> tuple[str, list[str], str] | str:
     """(bind address, peers, password) of this replica's Raft member, or why it cannot start."""
     if not settings.raft_bind:
         # A group of one: nothing but this process can reach the loopback port, so a password
@@ -58,7 +61,7 @@ def raft_member(settings: Any) -> tuple[str, list[str], str] | str:
     return settings.raft_bind, peers, password
 
 
-async def serve(settings: Any, tls: TLSConfig | None = None) -> int:
+async def serve(settings: ShardSettings, tls: TLSConfig | None = None) -> int:
     replica = settings.replica_id or settings.raft_bind or "single"
     log = get_logger("bigfleet.shard", shard=settings.shard_id, replica=replica)
     member = raft_member(settings)
@@ -83,7 +86,9 @@ async def serve(settings: Any, tls: TLSConfig | None = None) -> int:
     server, health = build_server(
         RoleInterceptor(SHARD_POLICY, registry=registry, component="shard", stream_limits=session_limits)
     )
-    raft = ShardRaft(ShardRaftConfig(bind, peers, data_dir, password))
+    # Bind the Raft port on the named address only (as the coordinator does): pysyncobj would
+    # otherwise listen on every interface, and a group of one must stay on loopback.
+    raft = ShardRaft(ShardRaftConfig(bind, peers, data_dir, password, bind_address=bind))
     coord_client = None
     heartbeats = None
     if settings.coordinator:
@@ -131,11 +136,10 @@ async def serve(settings: Any, tls: TLSConfig | None = None) -> int:
     return 0
 
 
-async def _start_dashboard(settings: Any, ctrl: HAController, log: Any) -> Any:
+async def _start_dashboard(settings: ShardSettings, ctrl: HAController, log: FilteringBoundLogger) -> DashboardServer | None:
     """The read-only dashboard on every replica: the leader's data, or a page naming the leader."""
     if not settings.http_listen:
         return None
-    from bigfleet.dashboard import DashboardServer
     from bigfleet.dashboard.sources import ReplicaSource
 
     source = ReplicaSource(settings.shard_id, lambda: ctrl.dashboard_source, ctrl.leader_hint)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from bigfleet.budget import Disruption
 from bigfleet.decision.types import EngineState
 
 
@@ -78,6 +79,12 @@ class HAState:
     replaces: int = 0
     ledger: Ledger = field(default_factory=Ledger)
     actuation: Actuation | None = None
+    # the empty-roll-up guard: collapsing roll-ups held so far per cluster (its baseline is the
+    # row count of the cluster's replicated roll-up)
+    guard_held: dict[str, tuple[int, int]] = field(default_factory=dict)  # cluster -> (held, since ns)
+    # disruptions dispatched per cluster ("" = machines of no cluster, e.g. idle releases), newest
+    # last: the disruption budgets' sliding windows hold across cycles, restarts and failovers
+    disruptions: dict[str, tuple[Disruption, ...]] = field(default_factory=dict)
 
     def replace(self, cluster_id: str, data: bytes, now_unix_nanos: int, epoch: int) -> bool:
         """Store the cluster's newest roll-up; refused (False) from a leader whose epoch is stale."""
@@ -86,6 +93,16 @@ class HAState:
         self.replaces += 1
         self.rollups[cluster_id] = Rollup(bytes(data), now_unix_nanos, self.replaces)
         self.first_rollup.add(cluster_id)
+        self.guard_held.pop(cluster_id, None)
+        return True
+
+    def hold_rollup(self, cluster_id: str, held: int, since_unix_nanos: int, epoch: int) -> bool:
+        """The guard held a collapsing roll-up: ``held`` in a row so far, the first at ``since`` (a
+        new leader continues the confirmation instead of starting it over)."""
+        if epoch != self.epoch or not cluster_id:
+            return False
+        self.first_rollup.add(cluster_id)
+        self.guard_held[cluster_id] = (held, since_unix_nanos)
         return True
 
     def forget(self, cluster_id: str, epoch: int) -> bool:
@@ -94,6 +111,7 @@ class HAState:
             return False
         self.rollups.pop(cluster_id, None)
         self.first_rollup.discard(cluster_id)
+        self.guard_held.pop(cluster_id, None)
         self.engine = self.engine.forget_cluster(cluster_id)
         return True
 
@@ -136,6 +154,7 @@ class HAState:
         self.ledger.release(ids, cluster_id)
         self.rollups.pop(cluster_id, None)
         self.first_rollup.discard(cluster_id)
+        self.guard_held.pop(cluster_id, None)
         self.engine = self.engine.forget_cluster(cluster_id)
         return ids
 
@@ -155,6 +174,24 @@ class HAState:
         self.ledger.adopt(machine_ids, cluster_id)
         return True
 
+    def record_disruptions(self, entries: tuple[tuple[str, Disruption], ...], keep_after_unix_nanos: int,
+                           epoch: int) -> bool:
+        """Disruptions about to be dispatched, per cluster; entries older than the longest budget
+        window (``keep_after``) are dropped. A retry of the same entries is not counted twice."""
+        if epoch != self.epoch:
+            return False
+        touched: dict[str, list[Disruption]] = {}
+        for cluster_id, d in entries:
+            cur = touched.get(cluster_id)
+            if cur is None:
+                cur = touched[cluster_id] = [x for x in self.disruptions.get(cluster_id, ())
+                                             if x.at_unix_nanos > keep_after_unix_nanos]
+            if d not in cur:
+                cur.append(d)
+        for cluster_id, cur in touched.items():
+            self.disruptions[cluster_id] = tuple(cur)
+        return True
+
     def set_actuation(self, paused: bool, dry_run: bool, epoch: int) -> bool:
         if epoch != self.epoch:
             return False
@@ -169,4 +206,4 @@ class HAState:
         """A copy a new leader can read from without the apply lock (the big values are immutable)."""
         return HAState(dict(self.rollups), set(self.first_rollup), self.engine, self.engine_version, self.epoch,
                        self.claim_term, self.leader_node, self.leader_advertise, self.replaces, self.ledger.copy(),
-                       self.actuation)
+                       self.actuation, dict(self.guard_held), dict(self.disruptions))

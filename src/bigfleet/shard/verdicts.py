@@ -1,0 +1,402 @@
+"""Per-need verdicts to operators, and the operator's node-registration reports.
+
+After a cycle, each connected cluster whose verdicts changed gets a ``NeedVerdicts`` frame: for every
+need the cycle decided on, whether it is met, the engine's unmet reason, the machines serving it
+(Configured), coming (being created or configured) and missing, the shortfall's age and whether it
+escalated. Operators turn it into CapacityRequest conditions and Events (issue #18).
+
+What it costs on the session loop is bounded like the capacity hints (``hints.py``):
+
+* a pass runs at most every ``interval`` seconds on its own task, on the newest cycle's record
+  (cycles in between are coalesced);
+* a pass looks only at clusters that may have changed: verdict rows that are not the same objects
+  as the last pass's (the engine worker and the inline engine both reuse the objects of unchanged
+  needs), clusters with machines coming (their counts move without a verdict changing), a shortfall
+  about to escalate, new sessions, and once every ``sweep`` seconds every cluster (a safety net for
+  counts that moved silently);
+* a frame is sent only when its content changed, ages aside: a persisting shortfall's ages are
+  refreshed at most every ``refresh`` seconds;
+* due frames go through a queue (newest wins per cluster) written at ``rate`` frames per second
+  shard-wide, and every frame carries the supersedes key ``verdicts:<cluster>``, so a slow operator's
+  outbox holds at most one.
+
+A ``NodeRegistrationTimeout`` from an operator marks the machine FAILED locally
+(``MachineView.mark_failed``, last_error ``RegistrationTimeout: ...``): it stops counting as supply
+and the next cycle provisions a replacement. Draining and deleting the machine at the provider is
+left to the executor's cleanup of FAILED machines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from bigfleet.machine import MachineState
+from bigfleet.needs import Need, NeedsTable, Resources
+from bigfleet.observability import get_logger
+from bigfleet.shard.metrics import ShardMetrics
+from bigfleet.shard.readsvc import _fill_from_row, _fill_from_verdict
+from bigfleet.shard.sessions import SessionRegistry
+from bigfleet.shard.view import MachineView
+from bigfleet.v1alpha1 import shard_pb2, shardread_pb2
+
+if TYPE_CHECKING:
+    from bigfleet.shard.daemon import CycleRecord
+
+log = get_logger("bigfleet.shard.verdicts")
+
+RowKey = tuple[str, str]
+M = MachineState
+_COMING = frozenset({M.CREATING, M.CONFIGURING})
+_MAX_NODE_NAME = 253
+
+
+def machines_missing(deficit: Resources, unit: Resources) -> int:
+    """Machines of size ``unit`` the deficit amounts to on its scarcest dimension (at least 1).
+
+    Dimensions the unit does not have are ignored (a machine that serves the need has them all)."""
+    worst = 1
+    for name, milli in deficit.items():
+        size = unit.get(name)
+        if size > 0:
+            worst = max(worst, math.ceil(milli / size))
+    return min(worst, 2**31 - 1)
+
+
+class _CycleClock:
+    """Engine cycle number → wall time it ran, for turning "unmet since cycle k" into seconds.
+
+    Bounded: past ``cap`` entries every other one is dropped, so old cycles keep a coarser
+    resolution. A lookup answers with the first recorded cycle at or after ``k`` (never overstating
+    an age); cycles before the first record (another leader's) map to the first record."""
+
+    def __init__(self, cap: int = 4096) -> None:
+        self.cycles: list[int] = []
+        self.walls: list[int] = []
+        self.cap = cap
+
+    def add(self, cycle: int, wall_ns: int) -> None:
+        if self.cycles and cycle <= self.cycles[-1]:
+            return
+        self.cycles.append(cycle)
+        self.walls.append(wall_ns)
+        if len(self.cycles) > self.cap:
+            self.cycles = self.cycles[::2] + ([self.cycles[-1]] if len(self.cycles) % 2 == 0 else [])
+            self.walls = self.walls[::2] + ([self.walls[-1]] if len(self.walls) % 2 == 0 else [])
+
+    def wall_of(self, cycle: int) -> int | None:
+        if not self.cycles:
+            return None
+        i = bisect.bisect_left(self.cycles, cycle)
+        return self.walls[min(i, len(self.walls) - 1)]
+
+
+class NeedVerdictSender:
+    """Builds and paces the NeedVerdicts frames; handles registration-timeout reports."""
+
+    #: how often the paced writer wakes up (it writes ``rate`` x this per tick)
+    TICK = 0.05
+
+    def __init__(self, sessions: SessionRegistry, view: MachineView, table: Callable[[], NeedsTable],
+                 frozen_clusters: set[str], bootstrap_failures: Mapping[RowKey, str], metrics: ShardMetrics,
+                 escalation_after_cycles: int, on_failed: Callable[[], None], clock: Callable[[], float],
+                 paced: bool, interval: float = 1.0, sweep: float = 30.0, refresh: float = 60.0,
+                 rate: float = 1000.0) -> None:
+        self.sessions = sessions
+        self.view = view
+        self.table = table
+        self.frozen_clusters = frozen_clusters  # the daemon's live set
+        self.bootstrap_failures = bootstrap_failures  # the executor's live map
+        self.escalation_after = escalation_after_cycles
+        self.on_failed = on_failed
+        self.clock = clock
+        self.paced = paced
+        self.interval = interval
+        self.sweep = sweep
+        self.refresh = refresh
+        self.rate = rate
+        self.metrics = metrics
+        self.ready = asyncio.Event()
+        self.pending: CycleRecord | None = None
+        self.queue: OrderedDict[str, shard_pb2.ShardMessage] = OrderedDict()
+        self.cycle_clock = _CycleClock()
+        self.sent = 0
+        # per cluster: the content of the last frame sent (ages aside) and when it was sent
+        self._digest: dict[str, tuple[Any, ...]] = {}
+        self._sent_at: dict[str, float] = {}
+        self._prev_rows: Mapping[RowKey, Any] = {}
+        self._due: set[str] = set()  # clusters to look at in the next pass whatever changed
+        self._in_flux: set[str] = set()  # machines coming at the last look
+        self._unmet: set[str] = set()  # some need unmet at the last look
+        self._escalates_at: dict[str, int] = {}  # engine cycle at which an unmet need escalates
+        self._swept_at = float("-inf")
+        self._last_pass = float("-inf")
+        self._last_rec: CycleRecord | None = None
+        sessions.on_removed.append(self.forget_cluster)
+
+    # -- inputs --------------------------------------------------------------------------------
+
+    def after_cycle(self, rec: CycleRecord) -> None:
+        """A cycle finished: its verdicts go out on the next pass (at once when not paced)."""
+        if rec.decision is not None:
+            self.cycle_clock.add(rec.decision.state.cycle, rec.computed_at_unix_nanos)
+        if self.paced:
+            self.pending = rec
+            self.ready.set()
+        else:
+            for msg in self.build(rec, self.clock()):
+                self.sessions.send(msg.need_verdicts.cluster_id, msg)
+                self.sent += 1
+                self.metrics.verdict_frames.inc()
+
+    def resync(self, cluster_id: str) -> None:
+        """A new Session for the cluster: it gets its verdicts on the next pass."""
+        self._digest.pop(cluster_id, None)
+        self._due.add(cluster_id)
+        if self.paced:
+            self.ready.set()
+        elif self._last_rec is not None:
+            for msg in self.build(self._last_rec, self.clock(), only={cluster_id}):
+                self.sessions.send(cluster_id, msg)
+                self.sent += 1
+                self.metrics.verdict_frames.inc()
+
+    def forget_cluster(self, cluster_id: str) -> None:
+        for d in (self._digest, self._sent_at, self._escalates_at):
+            d.pop(cluster_id, None)
+        for s in (self._due, self._in_flux, self._unmet):
+            s.discard(cluster_id)
+        self.queue.pop(cluster_id, None)
+
+    # -- building ------------------------------------------------------------------------------
+
+    @staticmethod
+    def rows_of(rec: CycleRecord) -> Mapping[RowKey, Any]:
+        """The record's verdicts keyed by (cluster, fingerprint): compact rows (engine worker) or
+        Verdict objects (inline engine)."""
+        if rec.verdict_rows:
+            return rec.verdict_rows
+        if rec.decision is None:
+            return {}
+        return {(v.cluster_id, v.fingerprint): v for v in rec.decision.verdicts}
+
+    def _candidates(self, rec: CycleRecord, rows: Mapping[RowKey, Any], now: float) -> set[str]:
+        out = set(self._due)
+        self._due.clear()
+        prev = self._prev_rows
+        if rows is not prev:
+            get = prev.get
+            for k, r in rows.items():
+                if get(k) is not r:
+                    out.add(k[0])
+            for k in prev:
+                if k not in rows:
+                    out.add(k[0])
+        self._prev_rows = rows
+        out |= self._in_flux
+        if self._unmet:
+            out.update(c for c in self._unmet if now - self._sent_at.get(c, float("-inf")) >= self.refresh)
+        if self._escalates_at and rec.decision is not None:
+            cycle = rec.decision.state.cycle
+            out.update(c for c, at in self._escalates_at.items() if at <= cycle)
+        if now - self._swept_at >= self.sweep:
+            self._swept_at = now
+            out.update(self.sessions.clusters())
+        return out
+
+    def build(self, rec: CycleRecord, now: float, only: Iterable[str] | None = None) -> list[shard_pb2.ShardMessage]:
+        """The frames due after ``rec`` (all of them, synchronously: the inline/simulator path)."""
+        self._last_rec = rec
+        rows = self.rows_of(rec)
+        clusters = set(only) if only is not None else self._candidates(rec, rows, now)
+        reserved = self._reserved_by_cluster()
+        out = []
+        for c in clusters:
+            msg = self._cluster_frame(rec, rows, c, reserved.get(c, ()), now)
+            if msg is not None:
+                out.append(msg)
+        return out
+
+    def _reserved_by_cluster(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for mid, cid in self.view.reserved_for.items():
+            out.setdefault(cid, []).append(mid)
+        return out
+
+    def _machines(self, cluster_id: str, reserved: Iterable[str]) -> dict[str, list[Any]]:
+        """fingerprint → [bound, coming, a machine's allocatable] for the cluster's machines."""
+        view = self.view
+        # MachineView keeps a cluster → machine ids index for Hello replays; read it, do not scan.
+        ids: Mapping[str, None] = view._by_cluster.get(cluster_id, {})
+        out: dict[str, list[Any]] = {}
+        for being_created, group in ((False, ids), (True, reserved)):
+            for mid in group:
+                if being_created and mid in ids:
+                    continue  # (its record names the cluster already: counted above)
+                m = view.machine(mid)
+                if m is None:
+                    continue
+                fp = m.assignment.need_fingerprint
+                if not fp:
+                    continue
+                st = m.state
+                if st is M.CONFIGURED:
+                    slot = 0
+                elif st in _COMING or (being_created and st is M.IDLE):
+                    slot = 1  # (a new machine is Idle for a moment between its Create and Configure)
+                else:
+                    continue
+                e = out.get(fp)
+                if e is None:
+                    e = out[fp] = [0, 0, m.effective_allocatable]
+                e[slot] += 1
+        return out
+
+    def _cluster_frame(self, rec: CycleRecord, rows: Mapping[RowKey, Any], cluster_id: str,
+                       reserved: Iterable[str], now: float) -> shard_pb2.ShardMessage | None:
+        if cluster_id in self.frozen_clusters or self.sessions.get(cluster_id) is None:
+            return None
+        needs: tuple[Need, ...] = self.table().cluster(cluster_id)
+        cycle = rec.decision.state.cycle if rec.decision is not None else 0
+        machines = self._machines(cluster_id, reserved) if needs else {}
+        frame = shard_pb2.NeedVerdicts(supersedes_key=f"verdicts:{cluster_id}", cluster_id=cluster_id,
+                                       cycle=cycle, computed_at_unix_nanos=rec.computed_at_unix_nanos)
+        digest: list[tuple[Any, ...]] = []
+        coming_any = unmet_any = False
+        escalates_at: int | None = None
+        for n in needs:
+            r = rows.get((cluster_id, n.fingerprint))
+            if r is None:
+                continue  # not decided on yet (a roll-up newer than the cycle)
+            view = shardread_pb2.NeedView()
+            if isinstance(r, tuple):
+                _fill_from_row(view, r, cycle)
+            else:
+                _fill_from_verdict(view, r)
+            bound, coming, unit = machines.get(n.fingerprint, (0, 0, None))
+            v = frame.verdicts.add(fingerprint=n.fingerprint, satisfied=view.satisfied,
+                                   unmet_reason=view.unmet_reason, machines_bound=bound, machines_coming=coming)
+            since = -1
+            if not view.satisfied:
+                unmet_any = True
+                age = view.age_cycles_unmet
+                since = cycle - age
+                v.shortfall_age_cycles = age
+                wall = self.cycle_clock.wall_of(since)
+                if wall is not None:
+                    v.shortfall_age_seconds = max(0, (rec.computed_at_unix_nanos - wall) // 1_000_000_000)
+                v.escalated = age > self.escalation_after
+                if not v.escalated:
+                    at = since + self.escalation_after + 1
+                    escalates_at = at if escalates_at is None else min(escalates_at, at)
+                v.deficit.CopyFrom(view.residual_deficit)
+                v.matching_supply.CopyFrom(view.matching_supply)
+                deficit = Resources.parse(dict(view.residual_deficit.resources))
+                v.machines_missing = machines_missing(deficit, unit if unit else n.min_unit)
+                v.victims_found = view.preemption.victims_found
+            err = self.bootstrap_failures.get((cluster_id, n.fingerprint), "")
+            if err:
+                v.bootstrap_error = err[:1024]
+            coming_any = coming_any or coming > 0
+            digest.append((n.fingerprint, v.satisfied, int(v.unmet_reason), bound, coming, v.machines_missing,
+                           v.escalated, since, v.victims_found, v.bootstrap_error,
+                           tuple(sorted(v.deficit.resources.items())),
+                           (v.matching_supply.idle, v.matching_supply.configured, v.matching_supply.speculative)))
+        (self._in_flux.add if coming_any else self._in_flux.discard)(cluster_id)
+        (self._unmet.add if unmet_any else self._unmet.discard)(cluster_id)
+        if escalates_at is not None:
+            self._escalates_at[cluster_id] = escalates_at
+        else:
+            self._escalates_at.pop(cluster_id, None)
+        key = tuple(digest)
+        stale = unmet_any and now - self._sent_at.get(cluster_id, float("-inf")) >= self.refresh
+        if self._digest.get(cluster_id) == key and not stale:
+            return None
+        self._digest[cluster_id] = key
+        self._sent_at[cluster_id] = now
+        return shard_pb2.ShardMessage(need_verdicts=frame)
+
+    # -- the paced sender ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Passes on the newest cycle's record at most every ``interval``; frames at ``rate``/s."""
+        per_tick = max(1, int(self.rate * self.TICK))
+        while True:
+            await self.ready.wait()
+            self.ready.clear()
+            wait = self.interval - (self.clock() - self._last_pass)
+            if wait > 0:
+                await asyncio.sleep(wait)
+            rec, self.pending = self.pending, None
+            if rec is None:
+                rec = self._last_rec
+            if rec is None:
+                continue
+            self._last_pass = self.clock()
+            await self._pass(rec)
+            while self.queue:
+                for _ in range(min(per_tick, len(self.queue))):
+                    cluster_id, msg = self.queue.popitem(last=False)
+                    if self.sessions.send(cluster_id, msg):
+                        self.sent += 1
+                        self.metrics.verdict_frames.inc()
+                await asyncio.sleep(self.TICK)
+                if self.pending is not None and self.clock() - self._last_pass >= self.interval:
+                    break  # a newer cycle: build its frames (they replace queued ones) before going on
+            if self.queue:
+                self.ready.set()
+
+    async def _pass(self, rec: CycleRecord) -> None:
+        self._last_rec = rec
+        now = self.clock()
+        rows = self.rows_of(rec)
+        clusters = self._candidates(rec, rows, now)
+        if not clusters:
+            return
+        reserved = self._reserved_by_cluster()
+        for i, c in enumerate(clusters):
+            if i % 64 == 63:
+                await asyncio.sleep(0)  # a sweep over thousands of clusters must not hold the loop
+            msg = self._cluster_frame(rec, rows, c, reserved.get(c, ()), now)
+            if msg is not None:
+                self.queue.pop(c, None)
+                self.queue[c] = msg
+
+    # -- operator reports ----------------------------------------------------------------------
+
+    def registration_timeout(self, cluster_id: str, r: shard_pb2.NodeRegistrationTimeout) -> str:
+        """The operator waited in vain for the machine's Node: fail it so it is replaced. Returns the
+        outcome (also the metric's label)."""
+        outcome = self._registration_timeout(cluster_id, r)
+        self.metrics.registration_timeouts.labels(outcome).inc()
+        return outcome
+
+    def _registration_timeout(self, cluster_id: str, r: shard_pb2.NodeRegistrationTimeout) -> str:
+        view, mid = self.view, r.machine_id
+        m = view.machine(mid) if mid else None
+        node = "".join(ch for ch in r.node_name[:_MAX_NODE_NAME] if ch.isprintable()) or mid
+        slog = log.bind(cluster=cluster_id, machine=mid[:256], node=node)
+        if m is None:
+            slog.info("registration timeout for an unknown machine ignored")
+            return "unknown"
+        if mid in view.failed_local or m.state is M.FAILED:
+            return "already_failed"
+        if m.cluster != cluster_id:
+            slog.warning("registration timeout for a machine not bound to the reporting cluster ignored",
+                         bound_to=m.cluster)
+            return "not_bound"
+        if m.state is not M.CONFIGURED:
+            slog.info("registration timeout for a machine that is not Configured ignored", state=m.state.name)
+            return "not_configured"
+        if mid in view.inflight:
+            slog.info("registration timeout for a machine with an action in flight ignored")
+            return "in_flight"
+        waited = max(0, int(r.waited_seconds))
+        view.mark_failed(mid, f"RegistrationTimeout: node {node} did not register within {waited}s")
+        slog.warning("node did not register: machine failed and will be replaced", waited_seconds=waited)
+        self.on_failed()
+        return "failed"

@@ -1,0 +1,208 @@
+"""The shard's per-need verdict frames and registration-timeout handling, in-process: what a frame
+says (bound / coming / missing, reason, ages, escalation), that unchanged verdicts are not re-sent,
+and which registration-timeout reports fail a machine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bigfleet.decision.types import (
+    Decision,
+    EngineState,
+    MatchingSupply,
+    PhaseStats,
+    UnmetReason,
+    Verdict,
+)
+from bigfleet.machine import META_NEED_FINGERPRINT
+from bigfleet.needs import NeedsTable, Resources, need_from_proto
+from bigfleet.observability import new_registry
+from bigfleet.shard.daemon import CycleRecord
+from bigfleet.shard.engineproc import verdict_row
+from bigfleet.shard.metrics import ShardMetrics
+from bigfleet.shard.outbox import Outbox
+from bigfleet.shard.sessions import SessionRegistry
+from bigfleet.shard.verdicts import NeedVerdictSender, _CycleClock, machines_missing
+from bigfleet.shard.view import MachineView
+from bigfleet.v1alpha1 import provider_pb2, shard_pb2, shardread_pb2
+
+from .opsim import need
+
+S = provider_pb2.MachineState
+
+
+class _Session:
+    def __init__(self, cluster_id: str) -> None:
+        self.cluster_id = cluster_id
+        self.outbox = Outbox()
+        self.frames: list[shard_pb2.ShardMessage] = []
+
+    def send(self, msg: shard_pb2.ShardMessage) -> bool:
+        self.frames.append(msg)
+        return True
+
+
+def _registry(*clusters: str) -> tuple[SessionRegistry, dict[str, _Session]]:
+    reg = SessionRegistry()
+    sessions = {c: _Session(c) for c in clusters}
+    reg._by_cluster.update(sessions)  # type: ignore[arg-type]
+    return reg, sessions
+
+
+def machine(mid: str, state: int, cluster: str = "", fp: str = "") -> provider_pb2.Machine:
+    pb = provider_pb2.Machine(id=mid, state=state, instance_type="m5.2xlarge", zone="z1",  # type: ignore[arg-type]
+                              price_per_hour=0.1, cluster=cluster)
+    pb.resources.resources.update({"cpu": "8", "memory": "32Gi"})
+    pb.host.provider, pb.host.ref = "fake", f"host-{mid}"
+    if fp:
+        pb.shard_metadata[META_NEED_FINGERPRINT] = fp
+    return pb
+
+
+def verdict(cluster: str, fp: str, satisfied: bool, age: int = 0, deficit: dict[str, int] | None = None,
+            reason: UnmetReason = UnmetReason.SATISFIED, claimed: int = 0) -> Verdict:
+    return Verdict(cluster_id=cluster, fingerprint=fp, satisfied=satisfied,
+                   deficit=Resources(deficit or {}), claimed_count=claimed, bootstrap_count=0, provision_count=0,
+                   same_domain="", same_satisfiable=False, parked=False, parked_age_cycles=0,
+                   age_cycles_unmet=age, unmet_reason=reason, matching_supply=MatchingSupply(idle=0, configured=2))
+
+
+def record(cycle: int, verdicts: list[Verdict], rows: bool, wall_ns: int) -> CycleRecord:
+    d = Decision(actions=(), shortfalls=(), verdicts=tuple(verdicts), stats=PhaseStats(),
+                 state=EngineState(cycle=cycle))
+    if rows:
+        return CycleRecord(cycle, wall_ns, (), d, {(v.cluster_id, v.fingerprint): verdict_row(v, cycle)
+                                                   for v in verdicts})
+    return CycleRecord(cycle, wall_ns, (), d)
+
+
+def sender(view: MachineView, table: NeedsTable, reg: SessionRegistry, **kw: Any) -> NeedVerdictSender:
+    failed: list[int] = []
+    s = NeedVerdictSender(reg, view, lambda: table, set(), {}, ShardMetrics(new_registry()), 5,
+                          lambda: failed.append(1), lambda: 0.0, paced=False, **kw)
+    return s
+
+
+def test_machines_missing_uses_the_scarcest_dimension() -> None:
+    unit = Resources.parse({"cpu": "8", "memory": "32Gi"})
+    assert machines_missing(Resources.parse({"cpu": "20"}), unit) == 3
+    assert machines_missing(Resources.parse({"cpu": "1", "memory": "70Gi"}), unit) == 3
+    assert machines_missing(Resources.parse({"cpu": "1"}), unit) == 1
+    # a dimension the unit lacks is ignored; never less than one
+    assert machines_missing(Resources.parse({"nvidia.com/gpu": "4"}), unit) == 1
+
+
+def test_cycle_clock_is_bounded_and_never_overstates() -> None:
+    c = _CycleClock(cap=64)
+    for k in range(1, 1001):
+        c.add(k, k * 1_000_000_000)
+    assert len(c.cycles) <= 65
+    assert c.cycles[-1] == 1000
+    for k in (1, 17, 500, 999, 1000):
+        wall = c.wall_of(k)
+        assert wall is not None and wall >= k * 1_000_000_000  # the first recorded cycle at or after k
+    assert c.wall_of(5000) == 1000 * 1_000_000_000
+
+
+@pytest.mark.parametrize("rows", [True, False], ids=["worker-rows", "inline-verdicts"])
+def test_frame_content_dedupe_and_escalation(rows: bool) -> None:
+    ok, bad = need("1"), need("4", zone="nowhere")
+    nok, nbad = need_from_proto(ok, "c1", 1), need_from_proto(bad, "c1", 1)
+    table = NeedsTable()
+    table.replace("c1", [nok, nbad], 1)
+    view = MachineView()
+    view.set(machine("m1", S.MACHINE_STATE_CONFIGURED, "c1", nok.fingerprint))
+    view.set(machine("m2", S.MACHINE_STATE_CONFIGURING, "c1", nok.fingerprint))
+    view.set(machine("m3", S.MACHINE_STATE_CREATING, "", nok.fingerprint))
+    view.reserved_for["m3"] = "c1"
+    view.set(machine("m3", S.MACHINE_STATE_CREATING, "", nok.fingerprint), force=True)
+    view.set(machine("m9", S.MACHINE_STATE_CONFIGURED, "c2", nok.fingerprint))  # another cluster's
+    reg, sess = _registry("c1")
+    s = sender(view, table, reg)
+    miss = {"cpu": 20_000}
+
+    def cycle(k: int, age: int) -> None:
+        vs = [verdict("c1", nok.fingerprint, True, claimed=3),
+              verdict("c1", nbad.fingerprint, False, age=age, deficit=miss, reason=UnmetReason.NO_MATCHING_SUPPLY)]
+        s.after_cycle(record(k, vs, rows, k * 1_000_000_000))
+
+    cycle(10, 1)
+    frames = sess["c1"].frames
+    assert len(frames) == 1
+    f = frames[0].need_verdicts
+    assert f.supersedes_key == "verdicts:c1" and f.cluster_id == "c1" and f.cycle == 10
+    by = {v.fingerprint: v for v in f.verdicts}
+    v_ok, v_bad = by[nok.fingerprint], by[nbad.fingerprint]
+    assert v_ok.satisfied and v_ok.machines_bound == 1 and v_ok.machines_coming == 2 and v_ok.machines_missing == 0
+    assert not v_bad.satisfied and v_bad.unmet_reason == shardread_pb2.UNMET_REASON_NO_MATCHING_SUPPLY
+    assert v_bad.machines_missing == 5  # 20 CPU missing in 4-CPU units (no machine serves it yet)
+    assert v_bad.shortfall_age_cycles == 1 and not v_bad.escalated
+    assert dict(v_bad.deficit.resources) == {"cpu": "20"}
+    assert v_bad.matching_supply.configured == 2
+
+    # Nothing changed but the age: no new frame (the row's "unmet since" is the same).
+    cycle(11, 2)
+    cycle(12, 3)
+    assert len(frames) == 1
+    # Age 6 > escalation age 5: a new frame says so, with the age in seconds since the first sighting.
+    for k in (13, 14, 15):
+        cycle(k, k - 9)
+    assert len(frames) == 2
+    v_bad = {v.fingerprint: v for v in frames[-1].need_verdicts.verdicts}[nbad.fingerprint]
+    assert v_bad.escalated and v_bad.shortfall_age_cycles == 6 and v_bad.shortfall_age_seconds == 5
+    # A machine finished configuring: the counts changed, so the frame goes out.
+    view.set(machine("m2", S.MACHINE_STATE_CONFIGURED, "c1", nok.fingerprint))
+    cycle(16, 7)
+    assert len(frames) == 3
+    v_ok = {v.fingerprint: v for v in frames[-1].need_verdicts.verdicts}[nok.fingerprint]
+    assert (v_ok.machines_bound, v_ok.machines_coming) == (2, 1)
+    # A new session gets the current verdicts at once.
+    s.resync("c1")
+    assert len(frames) == 4 and frames[-1].need_verdicts.verdicts == frames[-2].need_verdicts.verdicts
+
+
+def test_clusters_without_a_session_get_nothing() -> None:
+    n = need_from_proto(need("1"), "c2", 1)
+    table = NeedsTable()
+    table.replace("c2", [n], 1)
+    reg, sess = _registry("c1")
+    s = sender(MachineView(), table, reg)
+    s.after_cycle(record(1, [verdict("c2", n.fingerprint, True)], True, 1))
+    assert sess["c1"].frames == [] or all(not f.need_verdicts.verdicts for f in sess["c1"].frames)
+
+
+def test_registration_timeout_fails_only_the_reporting_clusters_configured_machine() -> None:
+    view = MachineView()
+    view.set(machine("m1", S.MACHINE_STATE_CONFIGURED, "c1", "fp"))
+    view.set(machine("m2", S.MACHINE_STATE_CONFIGURED, "c2", "fp"))
+    view.set(machine("m3", S.MACHINE_STATE_CONFIGURING, "c1", "fp"))
+    view.set(machine("m4", S.MACHINE_STATE_CONFIGURED, "c1", "fp"))
+    view.inflight["m4"] = "drain"
+    reg, _ = _registry("c1")
+    metrics = ShardMetrics(new_registry())
+    triggered: list[int] = []
+    s = NeedVerdictSender(reg, view, NeedsTable, set(), {}, metrics, 5, lambda: triggered.append(1),
+                          lambda: 0.0, paced=False)
+
+    def report(cluster: str, mid: str) -> str:
+        return s.registration_timeout(cluster, shard_pb2.NodeRegistrationTimeout(
+            machine_id=mid, node_name=f"node-{mid}", waited_seconds=900))
+
+    assert report("c1", "nope") == "unknown"
+    assert report("c1", "m2") == "not_bound"
+    assert report("c1", "m3") == "not_configured"
+    assert report("c1", "m4") == "in_flight"
+    assert not triggered
+    assert report("c1", "m1") == "failed"
+    pb = view.get("m1")
+    assert pb is not None and pb.state == S.MACHINE_STATE_FAILED
+    assert pb.last_error == "RegistrationTimeout: node node-m1 did not register within 900s"
+    assert "m1" in view.failed_local and triggered == [1]
+    # A provider record saying Configured does not bring it back; a repeated report is a no-op.
+    view.observe(machine("m1", S.MACHINE_STATE_CONFIGURED, "c1", "fp"))
+    assert view.get("m1").state == S.MACHINE_STATE_FAILED  # type: ignore[union-attr]
+    assert report("c1", "m1") == "already_failed"
+    c = metrics.registration_timeouts
+    assert c.labels("failed")._value.get() == 1 and c.labels("already_failed")._value.get() == 1
