@@ -34,6 +34,7 @@ class FakeShard(shard_pb2_grpc.ShardServicer):
         self.rollups: list[capacity_pb2.ClusterCapacityNeeds] = []
         self.bootstrap_responses: list[shard_pb2.BootstrapBlobResponse] = []
         self.reclaim_acks: list[shard_pb2.ReclaimAck] = []
+        self.registration_timeouts: list[shard_pb2.NodeRegistrationTimeout] = []
         self.hellos: list[shard_pb2.Hello] = []
         self.peers: list[str] = []
         self.conns: dict[str, Conn] = {}
@@ -88,6 +89,8 @@ class FakeShard(shard_pb2_grpc.ShardServicer):
                     self.bootstrap_responses.append(m.bootstrap_response)
                 elif kind == "reclaim_ack":
                     self.reclaim_acks.append(m.reclaim_ack)
+                elif kind == "registration_timeout":
+                    self.registration_timeouts.append(m.registration_timeout)
             conn.outbox.put_nowait(None)
 
         rtask = asyncio.create_task(reader())

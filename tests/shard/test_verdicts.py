@@ -1,6 +1,7 @@
 """End to end with real processes (fake provider + shard, the test as the operator): NeedVerdicts frames
 on the wire (worker-mode rows), sent only on change and again to a new session; registration-timeout
-reports fail only the reporting cluster's Configured machine, which is then replaced."""
+reports fail only the reporting cluster's Configured machine, which is then replaced; a held roll-up's
+ack carries rollup_held."""
 
 from __future__ import annotations
 
@@ -78,3 +79,11 @@ async def test_need_verdicts_on_the_wire_and_registration_timeouts() -> None:
                     machine_id=machine.machine_id, node_name=machine.node_name, waited_seconds=900)))
                 await asyncio.sleep(1)
                 assert (await shard.counts("c1")).by_state.get("MACHINE_STATE_FAILED") == 1
+                # A collapse of the demand is held by the guard, and the ack says so (the operator's RollupHeld).
+                acks = len(op2.acks("rollup"))
+                await op2.send_rollup([])
+                await until(lambda: len(op2.acks("rollup")) > acks, 10, "the roll-up's ack")
+                assert op2.acks("rollup")[-1].rollup_held
+                await op2.send_rollup([ok, bad])
+                await until(lambda: len(op2.acks("rollup")) > acks + 1, 10, "the next ack")
+                assert not op2.acks("rollup")[-1].rollup_held

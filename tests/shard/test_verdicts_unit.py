@@ -206,3 +206,25 @@ def test_registration_timeout_fails_only_the_reporting_clusters_configured_machi
     assert report("c1", "m1") == "already_failed"
     c = metrics.registration_timeouts
     assert c.labels("failed")._value.get() == 1 and c.labels("already_failed")._value.get() == 1
+
+
+def test_machine_changes_alone_bring_a_cluster_into_the_next_pass() -> None:
+    n = need_from_proto(need("1"), "c1", 1)
+    table = NeedsTable()
+    table.replace("c1", [n], 1)
+    view = MachineView()
+    view.set(machine("m1", S.MACHINE_STATE_CONFIGURING, "c1", n.fingerprint))
+    reg, sess = _registry("c1")
+    s = sender(view, table, reg)
+    rec = record(5, [verdict("c1", n.fingerprint, True, claimed=1)], True, 5)
+    s.after_cycle(rec)
+    frames = sess["c1"].frames
+    assert [(v.machines_bound, v.machines_coming) for v in frames[-1].need_verdicts.verdicts] == [(0, 1)]
+    # Same verdict rows (the same objects: nothing re-decided), the machine finishes configuring.
+    view.set(machine("m1", S.MACHINE_STATE_CONFIGURED, "c1", n.fingerprint))
+    s.after_cycle(CycleRecord(6, 6, (), rec.decision, rec.verdict_rows))
+    assert len(frames) == 1  # nobody said the cluster's machines changed
+    s.machine_changed("c1")  # (the daemon's NodeStateUpdate routing does)
+    s.after_cycle(CycleRecord(7, 7, (), rec.decision, rec.verdict_rows))
+    assert len(frames) == 2
+    assert [(v.machines_bound, v.machines_coming) for v in frames[-1].need_verdicts.verdicts] == [(1, 0)]

@@ -7,14 +7,22 @@ import asyncio
 import base64
 import contextlib
 import os
+import re
 import signal
 import socket
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
+import yaml
+
+from bigfleet.budget import BudgetError, parse_budget
 from bigfleet.observability import configure_logging, get_logger, start_metrics_server
 from bigfleet.operator.app import Operator, OperatorConfig, read_file
+from bigfleet.operator.bootstrap import ca_cert_hash
 from bigfleet.operator.kube import api_client
 from bigfleet.operator.metrics import OperatorMetrics
+from bigfleet.operator.nodes import parse_duration
 from bigfleet.security.tls import TLSConfig, add_tls_arguments, tls_from_args_or_exit
 
 
@@ -40,6 +48,23 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lease-duration", type=float, default=15.0)
     ap.add_argument("--renew-deadline", type=float, default=10.0)
     ap.add_argument("--retry-period", type=float, default=2.0)
+    ap.add_argument("--disruption-budget", action="append", default=[], metavar="RULE",
+                    help="this cluster's disruption budget, overriding the shard's defaults (repeatable): "
+                         "NODES/WINDOW[;reasons=R,...][;blackout=DAYS HH:MM-HH:MM|...], e.g. 10%%/10m; "
+                         "sent in every roll-up")
+    ap.add_argument("--node-readiness", default="auto", choices=["auto", "node", "provider"],
+                    help="node: an UpcomingNode is Ready once its Node registered and is Ready, and machines "
+                         "whose Node never registers are reported; provider: Configured means Ready; auto: "
+                         "node unless the development stub bootstrap (no template, no join token) is in use")
+    ap.add_argument("--node-registration-timeout", default="15m",
+                    help="how long a Configured machine may go without a registered Node before it is reported "
+                         "to the shard and replaced (e.g. 900, 900s, 15m; 0 = never)")
+    ap.add_argument("--api-server-endpoint", default="",
+                    help="HOST:PORT new machines join (the built-in kubeadm bootstrap); default: kube-public/"
+                         "cluster-info, else the kubeconfig's server unless it is the in-cluster Service")
+    ap.add_argument("--ca-cert-hash", default="",
+                    help="sha256:<hex> of the cluster CA's public key (the built-in kubeadm bootstrap); "
+                         "default: computed from the client's CA certificate")
     ap.add_argument("--log-level", default="info")
     ap.add_argument("--log-format", default="json", choices=["json", "console"])
     add_tls_arguments(ap)
@@ -58,6 +83,32 @@ async def _join_token(api: Any, namespace: str, ref: str) -> str:
     return base64.b64decode(raw).decode()
 
 
+JOIN_TOKEN = re.compile(r"^[a-z0-9]{6}\.[a-z0-9]{16}$")
+
+
+async def _join_params(api: Any, endpoint: str, ca_hash: str) -> tuple[str, str]:
+    """The API server endpoint and CA hash the built-in kubeadm bootstrap needs (flags win)."""
+    from kubernetes.aio import client
+
+    cfg = api.configuration
+    if not endpoint:
+        try:
+            cm = await client.CoreV1Api(api).read_namespaced_config_map("cluster-info", "kube-public")
+            kc = yaml.safe_load((cm.data or {}).get("kubeconfig") or "") or {}
+            server = ((kc.get("clusters") or [{}])[0].get("cluster") or {}).get("server") or ""
+            endpoint = urlparse(server).netloc
+        except Exception:
+            endpoint = ""
+    if not endpoint:
+        host = urlparse(cfg.host or "").netloc
+        if host and os.environ.get("KUBERNETES_SERVICE_HOST", "\0") not in host:
+            endpoint = host
+    if not ca_hash and cfg.ssl_ca_cert:
+        with contextlib.suppress(OSError, ValueError):
+            ca_hash = ca_cert_hash(Path(cfg.ssl_ca_cert).read_bytes())
+    return endpoint, ca_hash
+
+
 async def run(args: argparse.Namespace, tls: TLSConfig | None = None) -> int:
     log = get_logger("bigfleet.operator", cluster=args.cluster_id)
     metrics = OperatorMetrics()
@@ -70,6 +121,22 @@ async def run(args: argparse.Namespace, tls: TLSConfig | None = None) -> int:
         log.error("cannot configure the Kubernetes client", error=f"{type(exc).__name__}: {exc}")
         return 1
     token = await _join_token(api, args.namespace, args.join_token_secret) if args.join_token_secret else ""
+    template = read_file(args.bootstrap_template_file or None)
+    endpoint, ca_hash = args.api_server_endpoint, args.ca_cert_hash
+    if template is None and token:
+        if not JOIN_TOKEN.match(token.strip()):
+            log.error("the join token is not a kubeadm bootstrap token ([a-z0-9]{6}.[a-z0-9]{16}); the built-in "
+                      "bootstrap template needs one (or give --bootstrap-template-file)")
+            return 1
+        token = token.strip()
+        endpoint, ca_hash = await _join_params(api, endpoint, ca_hash)
+        log.info("built-in kubeadm bootstrap", api_server_endpoint=endpoint or None, ca_cert_hash=ca_hash or None)
+        if not endpoint or not ca_hash:
+            log.warning("the kubeadm bootstrap lacks an API server endpoint or CA hash; bootstrap requests will be "
+                        "answered with an error until --api-server-endpoint / --ca-cert-hash are set")
+    elif template is None:
+        log.warning("no bootstrap template and no join token: the development stub is served and machines never "
+                    "join this cluster (UpcomingNode readiness is taken from the provider)")
     cfg = OperatorConfig(
         cluster_id=args.cluster_id,
         shard_addr=args.shard_addr,
@@ -77,7 +144,7 @@ async def run(args: argparse.Namespace, tls: TLSConfig | None = None) -> int:
         namespace=args.namespace,
         rollup_interval=args.rollup_interval or 10.0,
         ack_concurrency=args.ack_concurrency,
-        bootstrap_template=read_file(args.bootstrap_template_file or None),
+        bootstrap_template=template,
         join_token=token,
         leader_elect=args.leader_elect,
         lease_name=args.lease_name,
@@ -86,6 +153,11 @@ async def run(args: argparse.Namespace, tls: TLSConfig | None = None) -> int:
         renew_deadline=args.renew_deadline,
         retry_period=args.retry_period,
         tls=tls,
+        disruption_budgets=tuple(args.disruption_budget),
+        node_readiness=args.node_readiness,
+        node_registration_timeout=args.node_registration_timeout_seconds,
+        api_server_endpoint=endpoint,
+        ca_cert_hash=ca_hash,
     )
     op = Operator(cfg, api, metrics)
     task = asyncio.create_task(op.run())
@@ -109,6 +181,14 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if bool(args.shard_addr) == bool(args.coordinator):
         ap.error("exactly one of --shard-addr or --coordinator is required")
+    try:
+        parse_budget(args.disruption_budget)
+    except BudgetError as exc:
+        ap.error(f"--disruption-budget: {exc}")
+    try:
+        args.node_registration_timeout_seconds = parse_duration(args.node_registration_timeout)
+    except ValueError:
+        ap.error(f"--node-registration-timeout: not a duration: {args.node_registration_timeout!r}")
     tls = tls_from_args_or_exit(ap, args)
     configure_logging(args.log_level, args.log_format, component="operator")
     return asyncio.run(run(args, tls))

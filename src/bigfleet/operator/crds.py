@@ -121,7 +121,7 @@ class AvailableCapacitySpec(_Model):
     resources: dict[str, str] = Field(default_factory=dict)
 
 
-UpcomingPhase = Literal["Provisioning", "Launched", "Registered", "Ready", "Draining", "Drained", "Failed"]
+UpcomingPhase = Literal["Provisioning", "Launched", "Registered", "Joining", "Ready", "Draining", "Drained", "Failed"]
 
 
 class TaintSpec(_Model):
@@ -147,6 +147,8 @@ class UpcomingNodeStatus(_Model):
     provider_id: str | None = Field(default=None, alias="providerID")
     provisioning_start_time: str | None = Field(default=None, alias="provisioningStartTime")
     last_error: str | None = Field(default=None, alias="lastError")
+    machine_id: str | None = Field(default=None, alias="machineID")
+    configured_time: str | None = Field(default=None, alias="configuredTime")
 
 
 def dump(model: BaseModel) -> dict[str, Any]:

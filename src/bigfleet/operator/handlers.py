@@ -19,6 +19,7 @@ from kubernetes.aio import client
 
 from bigfleet.observability import get_logger
 from bigfleet.operator.crds import AVAILABLE_CAPACITIES, CAPACITY_REQUESTS, GROUP, UPCOMING_NODES, VERSION
+from bigfleet.operator.events import NORMAL, WARNING, EventRecorder, ObjectRef
 from bigfleet.operator.kube import MERGE_PATCH, Informer, status_code, with_retries
 from bigfleet.operator.metrics import OperatorMetrics
 from bigfleet.operator.upcoming import (
@@ -53,6 +54,9 @@ class ClusterWriter:
         *,
         upcoming_cache: Informer | None = None,
         eviction_retry: float = EVICTION_RETRY_SECONDS,
+        events: EventRecorder | None = None,
+        node_phase: Callable[[shard_pb2.NodeStateUpdate], str | None] | None = None,
+        node_uid: Callable[[str], str] | None = None,
     ) -> None:
         self.api = api
         self.co: Any = client.CustomObjectsApi(api)
@@ -63,6 +67,16 @@ class ClusterWriter:
         self.drains: set[asyncio.Task[bool]] = set()
         # UpcomingNodes deleted after a drain (bounded, oldest forgotten first): see plan_upcoming.
         self.drained_names: dict[str, None] = {}
+        self.events = events
+        # With node registration tracked: the phase a Configured machine's Node gives it (nodes.py).
+        self.node_phase = node_phase
+        self.node_uid = node_uid or (lambda _name: "")
+        # The newest frame per machine (a Node's change re-plans its machine's UpcomingNode from it).
+        self.last_frames: dict[str, shard_pb2.NodeStateUpdate] = {}
+
+    def event(self, ref: ObjectRef, etype: str, reason: str, message: str) -> None:
+        if self.events is not None:
+            self.events.event(ref, etype, reason, message)
 
     def _remember_drained(self, name: str) -> None:
         self.drained_names[name] = None
@@ -133,7 +147,12 @@ class ClusterWriter:
             return "ignored"
         name = upcoming_name(u.machine_id)
         current = await self._get_upcoming(name)
-        plan = plan_upcoming(u, current, rfc3339(), drained=name in self.drained_names)
+        phase = self.node_phase(u) if self.node_phase is not None else None
+        plan = plan_upcoming(u, current, rfc3339(), drained=name in self.drained_names, node_phase=phase)
+        if plan.delete or plan.phase == "Drained":
+            self.last_frames.pop(u.machine_id, None)
+        else:
+            self.last_frames[u.machine_id] = u
         if int(u.state) != provider_pb2.MACHINE_STATE_IDLE:
             self.drained_names.pop(name, None)
         if plan.delete:
@@ -229,10 +248,20 @@ class ClusterWriter:
     ) -> None:
         """Cordon every node, ack at once, then drain in the background (not tied to the stream)."""
         started: list[str] = []
+        if ins.preemptor_priority > 0:
+            etype, reason = WARNING, "Preempting"
+            why = (f"draining within {ins.grace_period_seconds or DEFAULT_GRACE_SECONDS}s: the shard preempts this "
+                   f"node for work of priority {ins.preemptor_priority}")
+        else:
+            etype, reason = NORMAL, "Reclaiming"
+            why = (f"draining within {ins.grace_period_seconds or DEFAULT_GRACE_SECONDS}s: this cluster's demand no "
+                   f"longer needs the node, the shard takes it back")
         for node in ins.nodes:
             try:
                 if await self.cordon(node):
                     started.append(node)
+                    self.event(ObjectRef("v1", "Node", node, uid=self.node_uid(node)), etype, reason,
+                               f"{why} (instruction {ins.instruction_id}; evictions honour PodDisruptionBudgets)")
                     await self._set_upcoming_status(await self._upcoming_for_node(node), {"phase": "Draining"})
                 else:
                     self.metrics.reclaims.labels(outcome="node_missing").inc()

@@ -50,3 +50,14 @@ class OperatorMetrics:
         self.evictions = Counter("bigfleet_operator_evictions_total", "Pod evictions", ["outcome"], registry=r)
         self.reclaims = Counter("bigfleet_operator_reclaim_nodes_total", "Reclaimed nodes by outcome", ["outcome"],
                                 registry=r)
+        self.events = Counter("bigfleet_operator_events_total",
+                              "Kubernetes Events by reason and outcome (created, updated: a repeat bumped the "
+                              "count of the existing Event; dropped: rate-limited; error)", ["reason", "outcome"],
+                              registry=r)
+        self.verdict_frames = Counter("bigfleet_operator_need_verdict_frames_total",
+                                      "NeedVerdicts frames applied to CapacityRequest status", registry=r)
+        self.status_writes = Counter("bigfleet_operator_capacityrequest_status_writes_total",
+                                     "CapacityRequest condition/status patches by outcome", ["outcome"], registry=r)
+        self.registration_timeouts = Counter("bigfleet_operator_registration_timeouts_total",
+                                             "Configured machines whose Node did not register in time (reported "
+                                             "to the shard)", registry=r)

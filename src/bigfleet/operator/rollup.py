@@ -24,6 +24,7 @@ from bigfleet.needs import (
     bucket_from_dollars,
     format_quantity,
     parse_quantity,
+    profile_from_proto,
     requirement_from_proto,
 )
 from bigfleet.operator.crds import CORE_OPERATORS, CapacityRequest, LabelSelectorSpec
@@ -74,6 +75,9 @@ class Rollup:
     to_acknowledge: tuple[tuple[str, str], ...]  # (namespace, name) of CRs still Pending
     skipped: tuple[Skipped, ...]
     crs_included: int
+    # (namespace, name) -> the profile fingerprint of the need the CR was folded into: the key the
+    # shard's per-need verdicts use (bigfleet.needs.Profile.fingerprint, computed the shard's way).
+    fingerprints: Mapping[tuple[str, str], str] = field(default_factory=dict)
 
 
 def canonical_selector(sel: LabelSelectorSpec | None) -> str:
@@ -195,11 +199,23 @@ class MapCache:
         self.hits = 0
 
 
+def need_fingerprint(need: capacity_pb2.CapacityNeed) -> str:
+    """The shard's fingerprint of a need (what its NeedVerdicts are keyed on); "" if the shard would
+    refuse the need."""
+    try:
+        return profile_from_proto(need).fingerprint()
+    except ValidationError:
+        return ""
+
+
 def build_rollup(
-    cluster_id: str, crs: Iterable[Mapping[str, Any]], now_unix_nanos: int, cache: MapCache | None = None
+    cluster_id: str, crs: Iterable[Mapping[str, Any]], now_unix_nanos: int, cache: MapCache | None = None,
+    disruption_budgets: Iterable[str] = (),
 ) -> Rollup:
-    """Fold CR objects into the cluster's full demand. Invalid CRs are skipped, never fatal."""
+    """Fold CR objects into the cluster's full demand. Invalid CRs are skipped, never fatal.
+    ``disruption_budgets`` (bigfleet.budget rules) ride on the roll-up as the cluster's own budget."""
     aggs: dict[AggKey, _Agg] = {}
+    members: dict[AggKey, list[tuple[str, str]]] = {}
     ack: list[tuple[str, str]] = []
     skipped: list[Skipped] = []
     included = 0
@@ -222,6 +238,7 @@ def build_rollup(
             skipped.append(Skipped(ns, name, mapped))
             continue
         key, request = mapped
+        members.setdefault(key, []).append((ns, name))
         agg = aggs.setdefault(key, _Agg())
         for res, milli in request.items():
             agg.total[res] = agg.total.get(res, 0) + milli
@@ -232,13 +249,21 @@ def build_rollup(
     if cache is not None:
         cache.entries = fresh
     msg = capacity_pb2.ClusterCapacityNeeds(cluster_id=cluster_id, timestamp_unix_nanos=now_unix_nanos)
+    fingerprints: dict[tuple[str, str], str] = {}
     for key in sorted(aggs, key=lambda k: (-k.priority, repr(k))):
-        msg.needs.append(_need_proto(key, aggs[key]))
-    return Rollup(msg, tuple(sorted(ack)), tuple(skipped), included)
+        need = _need_proto(key, aggs[key])
+        msg.needs.append(need)
+        fp = need_fingerprint(need)
+        for crkey in members[key]:
+            fingerprints[crkey] = fp
+    msg.disruption_budgets.extend(disruption_budgets)
+    return Rollup(msg, tuple(sorted(ack)), tuple(skipped), included, fingerprints)
 
 
 def demand_fingerprint(msg: capacity_pb2.ClusterCapacityNeeds) -> bytes:
-    """The roll-up's content without its timestamp: equal bytes mean "nothing changed"."""
+    """The roll-up's content without its timestamp: equal bytes mean "nothing changed" (a changed
+    disruption budget is a change too)."""
     body = capacity_pb2.ClusterCapacityNeeds(cluster_id=msg.cluster_id)
     body.needs.extend(msg.needs)
+    body.disruption_budgets.extend(msg.disruption_budgets)
     return body.SerializeToString(deterministic=True)

@@ -199,6 +199,11 @@ class SessionClient:
             self.last_ack = msg.ack
             if msg.ack.echo == "hello":
                 self.backoff.reset()
+            elif (msg.ack.echo == "rollup" or msg.ack.echo.startswith("rollup-held")) and \
+                    (acked := getattr(self.handlers, "rollup_ack", None)) is not None:
+                # accepted, or held by the shard's empty-roll-up guard (ack.rollup_held, then a
+                # "rollup-held: ..." echo)
+                acked(msg.ack)
         elif kind == "bootstrap_request":
             resp = self.handlers.bootstrap(msg.bootstrap_request)
             self.send_response(shard_pb2.OperatorMessage(bootstrap_response=resp))
@@ -208,6 +213,10 @@ class SessionClient:
             self._spawn(self.handlers.available_capacity(msg.available_capacity), "available_capacity")
         elif kind == "reclaim_instruction":
             self._spawn(self.handlers.reclaim(msg.reclaim_instruction, self._send_reclaim_ack), "reclaim")
+        elif kind == "need_verdicts":
+            # (newest wins: the handler only keeps the frame and wakes its own writer)
+            if (verdicts := getattr(self.handlers, "need_verdicts", None)) is not None:
+                verdicts(msg.need_verdicts)
         else:
             log.warning("unknown shard frame ignored", kind=kind)
 

@@ -96,14 +96,23 @@ class UpcomingPlan:
 
 
 def plan_upcoming(
-    u: shard_pb2.NodeStateUpdate, current: dict[str, Any] | None, now_rfc3339: str, *, drained: bool = False
+    u: shard_pb2.NodeStateUpdate, current: dict[str, Any] | None, now_rfc3339: str, *, drained: bool = False,
+    node_phase: str | None = None,
 ) -> UpcomingPlan:
     """``drained``: this machine's UpcomingNode was deleted after a drain here, so a later Idle frame is
-    the machine leaving the cluster (not a new one being launched for it) and must not recreate it."""
+    the machine leaving the cluster (not a new one being launched for it) and must not recreate it.
+
+    ``node_phase``: with node registration tracked (``bigfleet.operator.nodes``), the phase of a
+    Configured machine as its Node says (Joining / Registered / Ready); the status then also carries
+    ``machineID`` and, from the first Configured frame on, ``configuredTime``. None: Configured is
+    Ready (the provider's word, for clusters whose machines cannot join: the development stub)."""
     name = upcoming_name(u.machine_id)
     cur_status = (current or {}).get("status") or {}
     cur_phase = cur_status.get("phase")
     phase = PHASE_BY_STATE.get(int(u.state), "Provisioning")
+    configured = int(u.state) == _MS.MACHINE_STATE_CONFIGURED
+    if configured and node_phase is not None:
+        phase = node_phase
     if current is None and drained and int(u.state) == _MS.MACHINE_STATE_IDLE:
         return UpcomingPlan(name, False, None, None, False, "Drained")
     if int(u.state) == _MS.MACHINE_STATE_IDLE and cur_phase in ("Draining", "Drained"):
@@ -120,6 +129,10 @@ def plan_upcoming(
         want["lastError"] = u.last_error
     if not cur_status.get("provisioningStartTime"):
         want["provisioningStartTime"] = now_rfc3339
+    if node_phase is not None:
+        want["machineID"] = u.machine_id
+        if configured and not cur_status.get("configuredTime"):
+            want["configuredTime"] = now_rfc3339
     status_patch = {k: v for k, v in want.items() if cur_status.get(k) != v}
     if current is None:
         obj_spec: dict[str, Any] | None = spec

@@ -223,6 +223,7 @@ class ShardDaemon:
 
     def _route_node_update(self, cluster_id: str, msg: shard_pb2.ShardMessage) -> None:
         self.sessions.send(cluster_id, msg)
+        self.verdicts.machine_changed(cluster_id)
 
     def _on_reject(self, reason: str) -> None:
         self.metrics.machines_rejected.labels(reason).inc()

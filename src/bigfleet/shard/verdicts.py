@@ -11,9 +11,9 @@ What it costs on the session loop is bounded like the capacity hints (``hints.py
   (cycles in between are coalesced);
 * a pass looks only at clusters that may have changed: verdict rows that are not the same objects
   as the last pass's (the engine worker and the inline engine both reuse the objects of unchanged
-  needs), clusters with machines coming (their counts move without a verdict changing), a shortfall
-  about to escalate, new sessions, and once every ``sweep`` seconds every cluster (a safety net for
-  counts that moved silently);
+  needs), clusters one of whose machines changed state (the view's NodeStateUpdate routing tells:
+  bound and coming counts move without a verdict changing), a shortfall about to escalate, new
+  sessions, and once every ``sweep`` seconds every cluster (a safety net);
 * a frame is sent only when its content changed, ages aside: a persisting shortfall's ages are
   refreshed at most every ``refresh`` seconds;
 * due frames go through a queue (newest wins per cluster) written at ``rate`` frames per second
@@ -104,7 +104,7 @@ class NeedVerdictSender:
     def __init__(self, sessions: SessionRegistry, view: MachineView, table: Callable[[], NeedsTable],
                  frozen_clusters: set[str], bootstrap_failures: Mapping[RowKey, str], metrics: ShardMetrics,
                  escalation_after_cycles: int, on_failed: Callable[[], None], clock: Callable[[], float],
-                 paced: bool, interval: float = 1.0, sweep: float = 30.0, refresh: float = 60.0,
+                 paced: bool, interval: float = 1.0, sweep: float = 300.0, refresh: float = 60.0,
                  rate: float = 1000.0) -> None:
         self.sessions = sessions
         self.view = view
@@ -130,7 +130,6 @@ class NeedVerdictSender:
         self._sent_at: dict[str, float] = {}
         self._prev_rows: Mapping[RowKey, Any] = {}
         self._due: set[str] = set()  # clusters to look at in the next pass whatever changed
-        self._in_flux: set[str] = set()  # machines coming at the last look
         self._unmet: set[str] = set()  # some need unmet at the last look
         self._escalates_at: dict[str, int] = {}  # engine cycle at which an unmet need escalates
         self._swept_at = float("-inf")
@@ -165,10 +164,15 @@ class NeedVerdictSender:
                 self.sent += 1
                 self.metrics.verdict_frames.inc()
 
+    def machine_changed(self, cluster_id: str) -> None:
+        """One of the cluster's machines changed state (or joined or left it): its counts may have
+        moved. Looked at in the next pass (no pass is started for it: one follows every cycle)."""
+        self._due.add(cluster_id)
+
     def forget_cluster(self, cluster_id: str) -> None:
         for d in (self._digest, self._sent_at, self._escalates_at):
             d.pop(cluster_id, None)
-        for s in (self._due, self._in_flux, self._unmet):
+        for s in (self._due, self._unmet):
             s.discard(cluster_id)
         self.queue.pop(cluster_id, None)
 
@@ -197,7 +201,6 @@ class NeedVerdictSender:
                 if k not in rows:
                     out.add(k[0])
         self._prev_rows = rows
-        out |= self._in_flux
         if self._unmet:
             out.update(c for c in self._unmet if now - self._sent_at.get(c, float("-inf")) >= self.refresh)
         if self._escalates_at and rec.decision is not None:
@@ -266,7 +269,7 @@ class NeedVerdictSender:
         frame = shard_pb2.NeedVerdicts(supersedes_key=f"verdicts:{cluster_id}", cluster_id=cluster_id,
                                        cycle=cycle, computed_at_unix_nanos=rec.computed_at_unix_nanos)
         digest: list[tuple[Any, ...]] = []
-        coming_any = unmet_any = False
+        unmet_any = False
         escalates_at: int | None = None
         for n in needs:
             r = rows.get((cluster_id, n.fingerprint))
@@ -301,12 +304,10 @@ class NeedVerdictSender:
             err = self.bootstrap_failures.get((cluster_id, n.fingerprint), "")
             if err:
                 v.bootstrap_error = err[:1024]
-            coming_any = coming_any or coming > 0
             digest.append((n.fingerprint, v.satisfied, int(v.unmet_reason), bound, coming, v.machines_missing,
                            v.escalated, since, v.victims_found, v.bootstrap_error,
                            tuple(sorted(v.deficit.resources.items())),
                            (v.matching_supply.idle, v.matching_supply.configured, v.matching_supply.speculative)))
-        (self._in_flux.add if coming_any else self._in_flux.discard)(cluster_id)
         (self._unmet.add if unmet_any else self._unmet.discard)(cluster_id)
         if escalates_at is not None:
             self._escalates_at[cluster_id] = escalates_at
