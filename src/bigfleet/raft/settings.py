@@ -45,6 +45,9 @@ class RaftSettings:
     # Batched appends put many commands in one AppendEntries: higher latency for a lone write (up to
     # one heartbeat period), far higher throughput when writes arrive together.
     batch: bool = False
+    #: how long pysyncobj's tick thread waits for network events; a command submitted from another
+    #: thread is picked up on the next tick, so this bounds a lone write's latency too
+    tick_period: float = 0.01
     extra: dict[str, Any] = field(default_factory=dict)
 
     def other_peers(self) -> list[str]:
@@ -132,7 +135,7 @@ def _conf(s: RaftSettings, journal_file: str, dump_file: str) -> SyncObjConf:
         raftMaxTimeout=s.election_max,
         appendEntriesPeriod=s.heartbeat_period,
         appendEntriesUseBatch=s.batch,
-        autoTickPeriod=0.01,
+        autoTickPeriod=s.tick_period,
         dynamicMembershipChange=True,
         journalFile=str(s.data_dir / journal_file),
         fullDumpFile=str(s.data_dir / dump_file),
