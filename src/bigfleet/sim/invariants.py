@@ -45,6 +45,7 @@ class InvariantChecker:
     _now: float = 0.0
     _drops: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)  # (cycle, machines, held)
     _last_demand: dict[str, int] = field(default_factory=dict)
+    _held_peak: dict[str, int] = field(default_factory=dict)  # most bound while the guard held a collapse
     max_violations: int = 200
 
     def _v(self, rule: str, detail: str) -> None:
@@ -137,8 +138,14 @@ class InvariantChecker:
                 self._drops.setdefault(cluster, []).append((cycle, prev - want, 0))
             if cluster in guard_held:
                 # The empty-roll-up guard holds a collapse of this cluster's demand on purpose (until
-                # it is restated for long enough): its reclaims may start that many cycles later.
-                self._drops[cluster] = [(at, amount, held + 1) for at, amount, held in self._drops.get(cluster, [])]
+                # it is restated for long enough): the shard keeps serving the demand it accepted
+                # last, so nothing is checked against the collapsed one until the hold ends; then
+                # whatever is bound counts as one drop to the demand of that moment.
+                self._held_peak[cluster] = max(self._held_peak.get(cluster, 0), have)
+                continue
+            if cluster in self._held_peak:
+                peak = self._held_peak.pop(cluster)
+                self._drops[cluster] = [(cycle, max(0, peak - want), 0)]
             cap = max(1, math.floor(self.reclaim_cap_fraction * have))
             allowance = 0
             keep = []
