@@ -6,7 +6,7 @@ its own session suffers. Over a size limit → :class:`LimitExceeded` (answer
 RESOURCE_EXHAUSTED or INVALID_ARGUMENT on that session only); over the frame rate → the
 throttle first defers that session's work and closes it only if the flood persists.
 
-The roll-up bounds match :mod:`bigfleet.needs.wire` (which enforces them again while
+The roll-up bounds match :mod:`bigfleet.wire.needs` (which enforces them again while
 converting), so the operator can check before sending and the shard before decoding.
 """
 

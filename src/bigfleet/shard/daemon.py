@@ -27,7 +27,7 @@ from bigfleet.decision import (  # imported up front: a forked child must not ne
 )
 from bigfleet.decision.types import Configure, Create, Decision, Delete, Drain, EngineConfig
 from bigfleet.machine import MachineState
-from bigfleet.needs import Need, ValidationError, requirement_to_proto, rollup_from_proto, snapshot_sort_key
+from bigfleet.needs import Need, ValidationError, snapshot_sort_key
 from bigfleet.observability import get_logger
 from bigfleet.security.limits import LimitExceeded, check_rollup
 from bigfleet.shard import availability, engineproc
@@ -40,6 +40,7 @@ from bigfleet.shard.sessions import OperatorSession, RollupOutcome, SessionRegis
 from bigfleet.shard.store import LocalDemandStore
 from bigfleet.shard.view import MachineView
 from bigfleet.v1alpha1 import capacity_pb2, coordinator_pb2, provider_pb2
+from bigfleet.wire.needs import requirement_to_proto, rollup_from_proto
 
 log = get_logger("bigfleet.shard")
 

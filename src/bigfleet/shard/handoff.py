@@ -44,10 +44,10 @@ from bigfleet.coordinator.client import BaseInstructionHandler
 from bigfleet.machine import Machine, MachineState
 from bigfleet.needs import Resources
 from bigfleet.needs.requirements import matches_all
-from bigfleet.needs.wire import requirement_from_proto
 from bigfleet.observability import get_logger
 from bigfleet.shard.provider_client import ProviderError
 from bigfleet.v1alpha1 import capacity_pb2, coordinator_pb2, provider_pb2
+from bigfleet.wire.needs import requirement_from_proto
 
 if TYPE_CHECKING:
     from bigfleet.shard.daemon import ShardDaemon

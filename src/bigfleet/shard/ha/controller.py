@@ -26,7 +26,7 @@ from grpc_health.v1 import health as grpc_health
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from bigfleet.decision.types import EngineState
-from bigfleet.needs import ValidationError, rollup_from_proto
+from bigfleet.needs import ValidationError
 from bigfleet.observability import get_logger
 from bigfleet.rpc.options import NOT_SERVING, SERVING
 from bigfleet.shard.daemon import DaemonConfig, ShardDaemon
@@ -36,6 +36,7 @@ from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.shard.provider_client import ProviderClient, ProviderError
 from bigfleet.shard.store import LocalDemandStore
 from bigfleet.v1alpha1 import capacity_pb2, shard_pb2_grpc, shardread_pb2_grpc
+from bigfleet.wire.needs import rollup_from_proto
 
 log = get_logger("bigfleet.shard.ha")
 
