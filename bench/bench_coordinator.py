@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bigfleet.coordinator.client import CoordinatorClient
+from bigfleet.coordclient.client import CoordinatorClient
 from bigfleet.coordinator.localgroup import CoordGroup
 from bigfleet.placement import loads, place, plan_rebalance
 from bigfleet.placement.hrw import max_over_mean

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bigfleet.coordinator.client import ACCEPTED, FAILED, REJECTED_STALE, InstructionGate
+from bigfleet.coordclient.client import ACCEPTED, FAILED, REJECTED_STALE, InstructionGate
 from bigfleet.coordinator.rebalance import ShardView, ShortfallView, cooling_shards, plan_inventory
 from bigfleet.v1alpha1 import coordinator_pb2 as pb
 

@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
-from bigfleet.coordinator.client import CoordinatorClient, CoordinatorUnavailable, lookup_cluster
+from bigfleet.coordclient.client import CoordinatorClient, CoordinatorUnavailable, lookup_cluster
 from bigfleet.coordinator.localgroup import CoordGroup
 from bigfleet.v1alpha1 import coordinator_pb2 as pb
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bigfleet.coordinator.client import CoordinatorClient
+from bigfleet.coordclient.client import CoordinatorClient
 from bigfleet.coordinator.localgroup import CoordGroup
 from bigfleet.coordinator.snapshot import read_archive
 from bigfleet.ctl.main import main as ctl

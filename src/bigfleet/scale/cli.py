@@ -186,7 +186,7 @@ def _listen_of(p: ManagedProcess) -> str:
 def _registered(coord_addr: str) -> int:
     import asyncio
 
-    from bigfleet.coordinator.client import CoordinatorClient
+    from bigfleet.coordclient.client import CoordinatorClient
     from bigfleet.v1alpha1 import coordinator_pb2 as pb
 
     async def go() -> int:

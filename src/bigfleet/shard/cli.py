@@ -179,7 +179,7 @@ async def serve(settings: Any, tls: TLSConfig | None = None) -> int:
     heartbeat_task: asyncio.Task[None] | None = None
     coord_client = None
     if settings.coordinator:
-        from bigfleet.coordinator.client import CoordinatorClient, HeartbeatLoop
+        from bigfleet.coordclient.client import CoordinatorClient, HeartbeatLoop
 
         coord_client = CoordinatorClient(
             [a for a in settings.coordinator.split(",") if a.strip()],

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from bigfleet.coordinator.client import BaseInstructionHandler
+from bigfleet.coordclient.client import BaseInstructionHandler
 from bigfleet.machine import Machine, MachineState
 from bigfleet.needs import Resources
 from bigfleet.needs.requirements import matches_all
@@ -195,7 +195,7 @@ def pick_drain_victims(machines: Iterable[Machine], busy: frozenset[str] | set[s
 
 # --------------------------------------------------------------------------- the shell
 class ShardHandoff(BaseInstructionHandler):
-    """The shard's :class:`~bigfleet.coordinator.client.InstructionHandler`."""
+    """The shard's :class:`~bigfleet.coordclient.client.InstructionHandler`."""
 
     def __init__(self, daemon: ShardDaemon, data_dir: Path, mode: str = EXCLUSIVE,
                  settle_timeout: float = 60.0, drain_timeout: float = 900.0) -> None:

@@ -83,7 +83,7 @@ async def serve_ha(settings: Any, tls: TLSConfig | None = None) -> int:
 
 def _wire_heartbeats(settings: Any, ctrl: HAController, tls: TLSConfig | None) -> Any:
     """Only the leader reports to the coordinator, with its own epoch; a new loop per leadership."""
-    from bigfleet.coordinator.client import BaseInstructionHandler, CoordinatorClient, HeartbeatLoop
+    from bigfleet.coordclient.client import BaseInstructionHandler, CoordinatorClient, HeartbeatLoop
     from bigfleet.shard.daemon import ShardDaemon
 
     client = CoordinatorClient([a for a in settings.coordinator.split(",") if a.strip()], tls=tls)
