@@ -19,10 +19,10 @@ import random
 import time
 
 from bigfleet.decision.types import EngineConfig
+from bigfleet.process.procstat import proc_rss_mb
 from bigfleet.shard.engineproc import EngineWorker, MirrorFeed, read_frame, write_frame
 from bigfleet.shard.store import LocalDemandStore
 from bigfleet.shard.view import MachineView
-from bigfleet.testing.procstat import proc_rss_mb
 from bigfleet.v1alpha1 import capacity_pb2, provider_pb2
 from bigfleet.wire.needs import rollup_from_proto
 

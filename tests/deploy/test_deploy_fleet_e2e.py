@@ -29,8 +29,8 @@ from grpc_health.v1 import health_pb2
 sys.path.insert(0, str(Path(__file__).parent))
 import chartcheck as cc
 
+from bigfleet.process.procs import health_status
 from bigfleet.testing import ManagedProcess, free_port
-from bigfleet.testing.procs import health_status
 
 pytestmark = [
     pytest.mark.slow,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import grpc
 
-from bigfleet.testing import ManagedProcess, free_port, wait_until
+from bigfleet.process import ManagedProcess, free_port, wait_until
 from bigfleet.v1alpha1 import coordinator_pb2 as pb
 from bigfleet.v1alpha1 import coordinator_pb2_grpc as pbg
 
