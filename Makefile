@@ -34,6 +34,7 @@ proto-check:
 
 lint:
 	$(BIN)/ruff check src tests bench
+	$(BIN)/lint-imports
 
 typecheck:
 	$(BIN)/mypy
@@ -79,4 +80,4 @@ scale:
 	$(BIN)/bigfleet scaletest $(SCALE_ARGS) --json scale-report.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache

@@ -14,12 +14,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from bigfleet.coordinator.client import CoordinatorClient
+from bigfleet.coordclient.client import CoordinatorClient
 from bigfleet.coordinator.localgroup import CoordGroup
 from bigfleet.placement import loads, place, plan_rebalance
 from bigfleet.placement.hrw import max_over_mean
+from bigfleet.process.procs import health_status
 from bigfleet.testing import wait_until
-from bigfleet.testing.procs import health_status
 from bigfleet.v1alpha1 import coordinator_pb2 as pb
 
 

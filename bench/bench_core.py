@@ -13,14 +13,7 @@ import time
 import tracemalloc
 from collections.abc import Callable
 
-from bigfleet.machine import (
-    CapacityType,
-    Inventory,
-    Machine,
-    MachineState,
-    machine_from_proto,
-    machine_to_proto,
-)
+from bigfleet.machine import CapacityType, Inventory, Machine, MachineState
 from bigfleet.needs import (
     Need,
     NeedsTable,
@@ -31,9 +24,9 @@ from bigfleet.needs import (
     Resources,
     TopologySpread,
     parse_quantity,
-    rollup_from_proto,
-    rollup_to_proto,
 )
+from bigfleet.wire.machine import machine_from_proto, machine_to_proto
+from bigfleet.wire.needs import rollup_from_proto, rollup_to_proto
 
 S = MachineState
 

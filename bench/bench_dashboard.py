@@ -14,11 +14,11 @@ import time
 
 from bigfleet.dashboard.sources import ShardSource
 from bigfleet.decision.types import EngineConfig
-from bigfleet.machine import META_NEED_FINGERPRINT
 from bigfleet.observability import new_registry
 from bigfleet.shard.daemon import DaemonConfig, ShardDaemon
 from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.v1alpha1 import capacity_pb2, provider_pb2
+from bigfleet.wire.machine import META_NEED_FINGERPRINT
 
 S = provider_pb2.MachineState
 CASES = [(1_000, 100, 200), (10_000, 1_000, 2_000), (50_000, 1_000, 5_000)]  # machines, clusters, needs

@@ -168,9 +168,9 @@ def bench_steady(n_machines: int, n_clusters: int, reps: int) -> None:
     generator's variants do) and the previous cycle's actions have landed."""
     import random
 
-    from bigfleet.needs.wire import need_from_proto
     from bigfleet.scale import prebind
     from bigfleet.scale.workloads import cluster_id, rollup_needs
+    from bigfleet.wire.needs import need_from_proto
 
     machines = prebind.catalog_machines(prebind.build_catalog(n_machines, 0, "fake"))
     per = n_machines * 0.5 / n_clusters

@@ -19,12 +19,12 @@ import random
 import time
 
 from bigfleet.decision.types import EngineConfig
-from bigfleet.needs import rollup_from_proto
+from bigfleet.process.procstat import proc_rss_mb
 from bigfleet.shard.engineproc import EngineWorker, MirrorFeed, read_frame, write_frame
 from bigfleet.shard.store import LocalDemandStore
 from bigfleet.shard.view import MachineView
-from bigfleet.testing.procstat import proc_rss_mb
 from bigfleet.v1alpha1 import capacity_pb2, provider_pb2
+from bigfleet.wire.needs import rollup_from_proto
 
 S = provider_pb2.MachineState
 NOW = 1_900_000_000 * 1_000_000_000

@@ -17,13 +17,13 @@ import time
 from typing import Any
 
 from bigfleet.observability import new_registry
+from bigfleet.process.procstat import proc_cpu_seconds
 from bigfleet.shard.executor import Binding, Executor, ExecutorConfig
 from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.shard.provider_client import ProviderClient
 from bigfleet.shard.sessions import BootstrapResult, SessionRegistry
 from bigfleet.shard.view import MachineView
 from bigfleet.testing import ManagedProcess, free_port, wait_for_health
-from bigfleet.testing.procstat import proc_cpu_seconds
 
 
 class _Session:

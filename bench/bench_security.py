@@ -154,7 +154,7 @@ def _cpu_rows(pki: Path) -> list[tuple[str, str]]:
         ("check_rollup, 1,000 needs", f"{lim * 1e3:.2f} ms ({lim / 1000 * 1e6:.2f} µs/need)"),
     ]
     try:
-        from bigfleet.needs import rollup_from_proto
+        from bigfleet.wire.needs import rollup_from_proto
 
         dec = timeit.timeit(lambda: rollup_from_proto(big, 1), number=5) / 5
         rows.append(("rollup_from_proto, 1,000 needs (for scale)", f"{dec * 1e3:.2f} ms"))

@@ -23,10 +23,10 @@ import urllib.request
 
 import grpc
 
+from bigfleet.process.procstat import proc_children, proc_cpu_seconds, proc_rss_mb
 from bigfleet.rpc import insecure_channel
 from bigfleet.shard.cli import GC_THRESHOLDS
 from bigfleet.testing import ManagedProcess, free_port, wait_for_health, wait_until
-from bigfleet.testing.procstat import proc_children, proc_cpu_seconds, proc_rss_mb
 from bigfleet.v1alpha1 import capacity_pb2, shard_pb2, shard_pb2_grpc
 
 ZONES = ("us-east-1a", "us-east-1b", "us-east-1c", "us-central1-a", "us-central1-b")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from bigfleet.coordinator.client import BaseInstructionHandler, CoordinatorClient, HeartbeatLoop
+from bigfleet.coordclient.client import BaseInstructionHandler, CoordinatorClient, HeartbeatLoop
 from bigfleet.v1alpha1 import coordinator_pb2 as pb
 
 

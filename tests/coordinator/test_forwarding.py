@@ -16,7 +16,7 @@ from typing import Any, cast
 import grpc
 import pytest
 
-from bigfleet.coordinator.client import (
+from bigfleet.coordclient.client import (
     DIRECT_METADATA,
     FORWARDED_METADATA_KEY,
     LEADER_METADATA_KEY,

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from bigfleet.coordinator.client import ACCEPTED, FAILED, REJECTED_STALE, InstructionGate
+from bigfleet.coordclient.client import ACCEPTED, FAILED, REJECTED_STALE, InstructionGate
 from bigfleet.coordinator.rebalance import (
     FRUITLESS_TTL,
     FruitlessTransfer,

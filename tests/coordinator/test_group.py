@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
-from bigfleet.coordinator.client import (
+from bigfleet.coordclient.client import (
     DIRECT_METADATA,
     CoordinatorClient,
     CoordinatorUnavailable,

@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bigfleet.coordinator.client import CoordinatorClient
+from bigfleet.coordclient.client import CoordinatorClient
 from bigfleet.coordinator.localgroup import CoordGroup
 from bigfleet.coordinator.snapshot import read_archive
 from bigfleet.ctl.main import main as ctl
@@ -97,7 +97,7 @@ def test_periodic_export_metrics_and_raft_join(tmp_path: Path) -> None:
         assert rc == 0
         # Joined: the new replica sees the leader and has the replicated state; with 4 voters,
         # losing the old leader still leaves a quorum of 3.
-        from bigfleet.testing.procs import health_status
+        from bigfleet.process.procs import health_status
 
         wait_until(lambda: health_status(g.addr(3), "bigfleet.v1alpha1.Coordinator") == 1, 20, what="joined replica sees a leader")
         g.kill(leader)

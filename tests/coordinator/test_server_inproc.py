@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bigfleet.coordinator.client import CoordinatorClient
+from bigfleet.coordclient.client import CoordinatorClient
 from bigfleet.coordinator.server import CoordinatorConfig, CoordinatorDaemon
 from bigfleet.testing import free_port
 from bigfleet.v1alpha1 import capacity_pb2, provider_pb2
@@ -139,7 +139,7 @@ async def test_silent_shard_is_down_not_deleted(tmp_path: Path) -> None:
 async def test_heartbeat_loop_runs_a_handoff_while_a_drain_is_still_draining(
     coord: tuple[CoordinatorDaemon, CoordinatorClient],
 ) -> None:
-    from bigfleet.coordinator.client import BaseInstructionHandler, HeartbeatLoop
+    from bigfleet.coordclient.client import BaseInstructionHandler, HeartbeatLoop
 
     d, c = coord
     release_started = asyncio.Event()

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
-from bigfleet.coordinator.client import CoordinatorClient, CoordinatorUnavailable
+from bigfleet.coordclient.client import CoordinatorClient, CoordinatorUnavailable
 from bigfleet.coordinator.localgroup import CoordGroup
 from bigfleet.ctl.main import main as ctl
 from bigfleet.security.certs import make_local_pki

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from bigfleet.dashboard.coordinator_source import CoordinatorSource
 from bigfleet.dashboard.model import ShortfallAges
-from bigfleet.dashboard.sources import CoordinatorSource, shortfall_rows
+from bigfleet.dashboard.sources import shortfall_rows
 from bigfleet.v1alpha1 import coordinator_pb2, provider_pb2
 
 

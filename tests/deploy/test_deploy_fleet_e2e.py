@@ -60,8 +60,8 @@ from grpc_health.v1 import health_pb2
 sys.path.insert(0, str(Path(__file__).parent))
 import chartcheck as cc
 
+from bigfleet.process.procs import health_status
 from bigfleet.testing import ManagedProcess, free_port
-from bigfleet.testing.procs import health_status
 
 pytestmark = [
     pytest.mark.slow,
@@ -496,7 +496,7 @@ class Fleet:
 
     def coordinator_leads(self, pod: Pod) -> bool:
         """True when the coordinator replica answers a call it may not forward (only the leader does)."""
-        from bigfleet.coordinator.client import DIRECT_METADATA
+        from bigfleet.coordclient.client import DIRECT_METADATA
         from bigfleet.v1alpha1 import coordinator_pb2, coordinator_pb2_grpc
 
         with grpc.insecure_channel(f"{pod.ip}:{self.p['c_grpc']}") as ch:

@@ -15,8 +15,8 @@ from grpc_health.v1 import health_pb2
 
 from bigfleet.coordinator.localgroup import PASSWORD_ENV, CoordGroup
 from bigfleet.k8stest import KubeTestServer
+from bigfleet.process.procs import health_status
 from bigfleet.testing import ManagedProcess, free_port
-from bigfleet.testing.procs import health_status
 from bigfleet.v1alpha1 import coordinator_pb2, coordinator_pb2_grpc, provider_pb2, provider_pb2_grpc
 
 CONFIGURED = provider_pb2.MachineState.MACHINE_STATE_CONFIGURED

@@ -20,6 +20,7 @@ from bigfleet.v1alpha1 import capacity_pb2 as cap
 from .known_open import is_known_open
 
 needs = pytest.importorskip("bigfleet.needs")
+wire_needs = pytest.importorskip("bigfleet.wire.needs")
 
 FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -81,14 +82,14 @@ rollup = st.builds(cap.ClusterCapacityNeeds, cluster_id=st.sampled_from(["cluste
 @given(pb=rollup)
 def test_rollup_decoder_total_and_round_trips(pb: cap.ClusterCapacityNeeds) -> None:
     try:
-        cluster_id, decoded = needs.rollup_from_proto(pb, 7)
+        cluster_id, decoded = wire_needs.rollup_from_proto(pb, 7)
     except needs.ValidationError as exc:
         assert exc.field is not None
         return
     # The limits pre-check must never refuse what the decoder accepts.
     check_rollup(pb)
-    again = needs.rollup_to_proto(cluster_id, decoded)
-    cluster2, decoded2 = needs.rollup_from_proto(again, 7)
+    again = wire_needs.rollup_to_proto(cluster_id, decoded)
+    cluster2, decoded2 = wire_needs.rollup_from_proto(again, 7)
     assert cluster2 == cluster_id
     assert [n.profile for n in decoded2] == [n.profile for n in decoded]
     assert [n.aggregate_resources for n in decoded2] == [n.aggregate_resources for n in decoded]
@@ -110,7 +111,7 @@ def test_rollup_over_need_count_rejected_by_both_layers() -> None:
     with pytest.raises(LimitExceeded, match="needs"):
         check_rollup(pb)
     with pytest.raises(needs.ValidationError):
-        needs.rollup_from_proto(pb, 1)
+        wire_needs.rollup_from_proto(pb, 1)
 
 
 # --- machines -----------------------------------------------------------------------------------
@@ -133,7 +134,7 @@ def test_machine_decoder_total_and_round_trips(
     state: int, ct: int, price: float, prob: float, res: dict[str, str], labels: dict[str, str],
     md: dict[str, str], cluster: str,
 ) -> None:
-    wire = pytest.importorskip("bigfleet.machine.wire")
+    wire = pytest.importorskip("bigfleet.wire.machine")
     from bigfleet.v1alpha1 import provider_pb2
 
     pb: Any = provider_pb2.Machine(id="m-1", instance_type="t", zone="z", price_per_hour=price,
@@ -182,7 +183,7 @@ def test_well_formed_crs_give_a_roll_up_the_shard_accepts(specs: list[dict[str, 
     crs = [{"metadata": {"name": f"cr-{i}", "namespace": "default"}, "spec": s} for i, s in enumerate(specs)]
     r = rollup_mod.build_rollup("cluster-a", crs, 11)
     check_rollup(r.message)
-    cluster_id, decoded = needs.rollup_from_proto(r.message, 11)
+    cluster_id, decoded = wire_needs.rollup_from_proto(r.message, 11)
     assert cluster_id == "cluster-a"
     assert r.crs_included + len(r.skipped) == len(specs)
     assert len(decoded) <= r.crs_included

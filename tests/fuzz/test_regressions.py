@@ -55,7 +55,7 @@ def test_coordinator_restore_with_junk_state_is_rejected_not_raised(state: objec
 )
 def test_operator_roll_up_from_a_bad_cr_is_still_accepted_by_the_shard(spec: dict[str, object]) -> None:
     rollup = pytest.importorskip("bigfleet.operator.rollup")
-    needs = pytest.importorskip("bigfleet.needs")
+    needs = pytest.importorskip("bigfleet.wire.needs")
     good = {"metadata": {"name": "good", "namespace": "d"}, "spec": {"priority": 5, "resources": {"cpu": "2"}}}
     bad = {"metadata": {"name": "bad", "namespace": "d"}, "spec": spec}
     r = rollup.build_rollup("cluster-a", [good, bad], 1)
@@ -64,7 +64,7 @@ def test_operator_roll_up_from_a_bad_cr_is_still_accepted_by_the_shard(spec: dic
 
 def test_colocated_cr_roll_up_is_accepted_by_the_shard() -> None:
     rollup = pytest.importorskip("bigfleet.operator.rollup")
-    needs = pytest.importorskip("bigfleet.needs")
+    needs = pytest.importorskip("bigfleet.wire.needs")
     cr = {"metadata": {"name": "c", "namespace": "d"},
           "spec": {"priority": 1, "resources": {"cpu": "1"}, "coLocation": {"topologyKey": "rack"}}}
     r = rollup.build_rollup("cluster-a", [cr], 1)

@@ -10,26 +10,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bigfleet.machine import (
-    META_ASSIGNED_PRIORITY,
-    META_GROUP,
-    META_INTERRUPTION_PENALTY,
-    META_NEED_FINGERPRINT,
-    META_RECLAMATION_PENALTY,
     Assignment,
     CapacityType,
     Machine,
     MachineState,
     ValidationError,
+    rejection_reason,
+)
+from bigfleet.needs import PenaltyBucket, bucket_dollars
+from bigfleet.v1alpha1 import provider_pb2
+from bigfleet.wire.machine import (
+    META_ASSIGNED_PRIORITY,
+    META_GROUP,
+    META_INTERRUPTION_PENALTY,
+    META_NEED_FINGERPRINT,
+    META_RECLAMATION_PENALTY,
     decode_shard_metadata,
     encode_shard_metadata,
     format_go_float,
     machine_from_proto,
     machine_to_proto,
     parse_go_float,
-    rejection_reason,
 )
-from bigfleet.needs import PenaltyBucket, bucket_dollars
-from bigfleet.v1alpha1 import provider_pb2
 
 from .helpers import label_text, resources, valid_machine
 
@@ -255,7 +257,7 @@ def test_round_trip_property(m: Machine) -> None:
 
 
 def test_node_name_from_hostname_label_or_metadata() -> None:
-    from bigfleet.machine import HOSTNAME_LABEL, META_NODE_NAME
+    from bigfleet.wire.machine import HOSTNAME_LABEL, META_NODE_NAME
 
     m = machine_from_proto(pb_machine(labels={HOSTNAME_LABEL: "ip-10-0-0-1"}, shard_metadata={META_NODE_NAME: "other"}))
     assert m.node_name == "ip-10-0-0-1" and m.reclaim_name == "ip-10-0-0-1"

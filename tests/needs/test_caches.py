@@ -7,11 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bigfleet.needs import NeedsTable, Resources, ValidationError, parse_quantity, rollup_from_proto
+from bigfleet.needs import NeedsTable, Resources, ValidationError, parse_quantity
 from bigfleet.needs import quantity as quantity_mod
 from bigfleet.needs import resources as resources_mod
-from bigfleet.needs import wire as wire_mod
 from bigfleet.v1alpha1 import capacity_pb2
+from bigfleet.wire import needs as wire_mod
+from bigfleet.wire.needs import rollup_from_proto
 
 from .strategies import needs_for
 
@@ -43,7 +44,7 @@ def test_results_survive_cache_clearing() -> None:
 @settings(deadline=None, max_examples=40)
 @given(st.lists(needs_for("c1"), max_size=4))
 def test_cached_and_uncached_rollups_agree(needs: list[object]) -> None:
-    from bigfleet.needs import rollup_to_proto
+    from bigfleet.wire.needs import rollup_to_proto
 
     pb = rollup_to_proto("c1", needs)  # type: ignore[arg-type]
     _, warm = rollup_from_proto(pb, 1)

@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-from bigfleet.needs import (
-    NeedsTable,
-    Operator,
-    PenaltyBucket,
-    Requirement,
-    Resources,
-    need_to_proto,
-    rollup_from_proto,
-)
+from bigfleet.needs import NeedsTable, Operator, PenaltyBucket, Requirement, Resources
 from bigfleet.v1alpha1 import capacity_pb2
+from bigfleet.wire.needs import need_to_proto, rollup_from_proto
 
 
 def test_rollup_into_table_and_back() -> None:

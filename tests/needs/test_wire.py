@@ -9,13 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bigfleet.needs import (
-    Need,
-    Operator,
-    PenaltyBucket,
-    Profile,
-    Requirement,
-    ValidationError,
+from bigfleet.needs import Need, Operator, PenaltyBucket, Profile, Requirement, ValidationError
+from bigfleet.v1alpha1 import capacity_pb2
+from bigfleet.wire.needs import (
     need_from_proto,
     need_to_proto,
     requirement_from_proto,
@@ -23,7 +19,6 @@ from bigfleet.needs import (
     rollup_from_proto,
     rollup_to_proto,
 )
-from bigfleet.v1alpha1 import capacity_pb2
 
 from .strategies import needs_for, requirements
 

@@ -9,13 +9,13 @@ from conftest import cr
 from kubernetes.aio import client
 
 from bigfleet.k8stest import KubeTestServer
-from bigfleet.needs import rollup_from_proto
 from bigfleet.operator.conditions import plan_status
 from bigfleet.operator.events import NORMAL, WARNING, EventCorrelator, EventRecorder, ObjectRef
 from bigfleet.operator.metrics import OperatorMetrics
 from bigfleet.operator.nodes import NodeIndex, due_timeouts, node_ready, parse_duration
 from bigfleet.operator.rollup import build_rollup, demand_fingerprint
 from bigfleet.v1alpha1 import shard_pb2, shardread_pb2
+from bigfleet.wire.needs import rollup_from_proto
 
 REF = ObjectRef("bigfleet.lucy.sh/v1alpha1", "CapacityRequest", "a", "default", "uid-a")
 

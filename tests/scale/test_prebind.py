@@ -11,12 +11,12 @@ import pytest
 
 from bigfleet.decision import Configure, Create, Drain, EngineConfig, EngineState, decide
 from bigfleet.machine import Machine, MachineState
-from bigfleet.machine.wire import machine_from_proto
 from bigfleet.provider.fake.catalog import build_catalog
 from bigfleet.provider.fake.seed import Binding, SeedStore, prebound_snapshot, read_seed, write_seed
 from bigfleet.provider.kit.model import MachineRecord
 from bigfleet.scale import prebind
 from bigfleet.scale.workloads import cluster_id
+from bigfleet.wire.machine import machine_from_proto
 
 
 def _fleet_as_shard_sees_it(snapshot: dict[str, object]) -> list[Machine]:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from bigfleet.needs.wire import rollup_from_proto
 from bigfleet.scale import stats
 from bigfleet.scale.workloads import SHAPES, UNIT_MILLI, cluster_id, rollup_needs
 from bigfleet.v1alpha1 import capacity_pb2
+from bigfleet.wire.needs import rollup_from_proto
 
 
 def _cpu_milli(n: capacity_pb2.CapacityNeed) -> int:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from bigfleet.machine import META_NEED_FINGERPRINT
 from bigfleet.shard.view import MachineView
 from bigfleet.v1alpha1 import provider_pb2
+from bigfleet.wire.machine import META_NEED_FINGERPRINT
 
 S = provider_pb2.MachineState
 CLUSTERS = ("a", "b", "c")

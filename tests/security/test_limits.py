@@ -177,8 +177,8 @@ def test_operator_frame_checks() -> None:
 
 def test_colocation_group_is_held_to_253_characters_at_ingest() -> None:
     """docs/security.md: "cluster / shard id, co-location group: 253 characters" (was 4 096)."""
-    from bigfleet.needs import ValidationError, rollup_from_proto, validate_group
-    from bigfleet.needs.wire import MAX_COLOCATION_GROUP_LEN
+    from bigfleet.needs import ValidationError
+    from bigfleet.wire.needs import MAX_COLOCATION_GROUP_LEN, rollup_from_proto, validate_group
 
     assert DEFAULT_LIMITS.max_group_len == MAX_COLOCATION_GROUP_LEN == 253
     at_limit = "topology.kubernetes.io/rack\x00" + "a" * (253 - 28)

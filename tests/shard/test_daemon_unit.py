@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 import pytest
 
 from bigfleet.decision import Decision, Drain, EngineState, PhaseStats
-from bigfleet.machine import META_NEED_FINGERPRINT
 from bigfleet.observability import new_registry
 from bigfleet.shard.daemon import DaemonConfig, ShardDaemon
 from bigfleet.shard.executor import ExecutorConfig
@@ -19,6 +18,7 @@ from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.shard.view import MachineView
 from bigfleet.testing import free_port
 from bigfleet.v1alpha1 import capacity_pb2, provider_pb2, shard_pb2
+from bigfleet.wire.machine import META_NEED_FINGERPRINT
 
 from .opsim import need
 from .spy import until
@@ -255,9 +255,9 @@ def test_view_keeps_records_serialized_and_hands_out_copies() -> None:
 
 
 async def test_capacity_hints_are_sent_at_the_configured_rate() -> None:
-    from bigfleet.needs import rollup_from_proto
     from bigfleet.shard.availability import Availability
     from bigfleet.shard.sessions import OperatorSession
+    from bigfleet.wire.needs import rollup_from_proto
 
     cfg = DaemonConfig(shard_id="s1", provider=f"127.0.0.1:{free_port()}", epoch=1, available_capacity_rate=400.0)
     d = ShardDaemon(cfg, ShardMetrics(new_registry()))

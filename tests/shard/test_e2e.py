@@ -9,8 +9,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from bigfleet.machine import META_NEED_FINGERPRINT
 from bigfleet.v1alpha1 import provider_pb2
+from bigfleet.wire.machine import META_NEED_FINGERPRINT
 
 from .cluster import ShardProc, fleet
 from .opsim import FakeOperator, need

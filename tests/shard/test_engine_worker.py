@@ -18,8 +18,6 @@ from typing import Any
 import pytest
 
 from bigfleet.decision import Decision, EngineConfig, decide
-from bigfleet.machine import META_NEED_FINGERPRINT
-from bigfleet.needs import rollup_from_proto
 from bigfleet.observability import new_registry
 from bigfleet.shard import availability
 from bigfleet.shard.daemon import DaemonConfig, ShardDaemon
@@ -37,6 +35,8 @@ from bigfleet.shard.store import LocalDemandStore
 from bigfleet.shard.view import MachineView
 from bigfleet.testing import free_port
 from bigfleet.v1alpha1 import capacity_pb2, provider_pb2
+from bigfleet.wire.machine import META_NEED_FINGERPRINT
+from bigfleet.wire.needs import rollup_from_proto
 
 from .opsim import need
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from bigfleet.needs import NeedsTable, ValidationError, rollup_from_proto
+from bigfleet.needs import NeedsTable, ValidationError
 from bigfleet.rpc import insecure_channel, new_server
 from bigfleet.shard.sessions import (
     BootstrapUnavailable,
@@ -20,6 +20,7 @@ from bigfleet.shard.sessions import (
     SessionServicer,
 )
 from bigfleet.v1alpha1 import capacity_pb2, shard_pb2, shard_pb2_grpc
+from bigfleet.wire.needs import rollup_from_proto
 
 from .opsim import FakeOperator, need
 

@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from bigfleet.needs import profile_from_proto
 from bigfleet.v1alpha1 import provider_pb2, shard_pb2, shardread_pb2
+from bigfleet.wire.needs import profile_from_proto
 
 from .cluster import fleet
 from .opsim import FakeOperator, need

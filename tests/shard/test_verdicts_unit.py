@@ -16,8 +16,7 @@ from bigfleet.decision.types import (
     UnmetReason,
     Verdict,
 )
-from bigfleet.machine import META_NEED_FINGERPRINT
-from bigfleet.needs import NeedsTable, Resources, need_from_proto
+from bigfleet.needs import NeedsTable, Resources
 from bigfleet.observability import new_registry
 from bigfleet.shard.daemon import CycleRecord
 from bigfleet.shard.engineproc import verdict_row
@@ -27,6 +26,8 @@ from bigfleet.shard.sessions import SessionRegistry
 from bigfleet.shard.verdicts import NeedVerdictSender, _CycleClock, machines_missing
 from bigfleet.shard.view import MachineView
 from bigfleet.v1alpha1 import provider_pb2, shard_pb2, shardread_pb2
+from bigfleet.wire.machine import META_NEED_FINGERPRINT
+from bigfleet.wire.needs import need_from_proto
 
 from .opsim import need
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bigfleet.machine import Assignment, Machine, MachineState, machine_from_proto
-from bigfleet.machine.wire import encode_shard_metadata
+from bigfleet.machine import Assignment, Machine, MachineState
 from bigfleet.needs import Resources
 from bigfleet.shard.ha.state import HAState, ReleasedCluster
 from bigfleet.shard.handoff import (
@@ -20,6 +19,7 @@ from bigfleet.shard.handoff import (
     pick_drain_victims,
 )
 from bigfleet.v1alpha1 import capacity_pb2, provider_pb2
+from bigfleet.wire.machine import encode_shard_metadata, machine_from_proto
 
 S = provider_pb2.MachineState
 ZONE = "topology.kubernetes.io/zone"

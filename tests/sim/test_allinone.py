@@ -154,7 +154,7 @@ def test_all_in_one_places_clusters_through_the_coordinator_and_serves_the_dashb
     import signal
     import urllib.request
 
-    from bigfleet.coordinator.client import CoordinatorClient
+    from bigfleet.coordclient.client import CoordinatorClient
     from bigfleet.security import TLSConfig
     from bigfleet.v1alpha1 import coordinator_pb2 as cpb
 

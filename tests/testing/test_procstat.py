@@ -6,14 +6,14 @@ import os
 import subprocess
 import sys
 
-from bigfleet.testing import wait_until
-from bigfleet.testing.procstat import (
+from bigfleet.process.procstat import (
     proc_children,
     proc_cpu_seconds,
     proc_rss_mb,
     tree_cpu_seconds,
     tree_rss_mb,
 )
+from bigfleet.testing import wait_until
 
 
 def test_reads_this_process_and_counts_a_child_in_the_tree() -> None:

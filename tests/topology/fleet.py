@@ -30,7 +30,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shard.opsim import FakeOperator, need
 
-from bigfleet.coordinator.client import CoordinatorClient, CoordinatorUnavailable
+from bigfleet.coordclient.client import CoordinatorClient, CoordinatorUnavailable
 from bigfleet.rpc import insecure_channel, new_server
 from bigfleet.testing import ManagedProcess, free_port
 from bigfleet.v1alpha1 import (

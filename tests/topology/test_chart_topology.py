@@ -44,7 +44,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from bigfleet.coordinator.client import CoordinatorClient
+from bigfleet.coordclient.client import CoordinatorClient
 from bigfleet.coordinator.localgroup import CoordGroup
 from bigfleet.placement.hrw import preferred
 from bigfleet.rpc import insecure_channel

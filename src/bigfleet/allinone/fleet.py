@@ -21,9 +21,9 @@ from pathlib import Path
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from bigfleet.process import ManagedProcess, free_port
 from bigfleet.security import TLSConfig, dial, dial_sync
 from bigfleet.security.certs import make_local_pki
-from bigfleet.testing import ManagedProcess, free_port
 from bigfleet.v1alpha1 import shardread_pb2, shardread_pb2_grpc
 
 SHARD_ID = "shard-1"

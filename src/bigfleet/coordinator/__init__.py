@@ -1,5 +1,5 @@
 """The coordinator: Raft-replicated fleet state (membership, placement, domains, instructions).
 
-Shards use :mod:`bigfleet.coordinator.client` (``HeartbeatLoop``, ``InstructionHandler``);
-operators use :func:`bigfleet.coordinator.client.lookup_cluster`.
+Shards use :mod:`bigfleet.coordclient.client` (``HeartbeatLoop``, ``InstructionHandler``);
+operators use :func:`bigfleet.coordclient.client.lookup_cluster`.
 """

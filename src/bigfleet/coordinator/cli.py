@@ -150,7 +150,7 @@ def main(argv: list[str]) -> int:
         dashboard = None
         if args.http_listen:
             from bigfleet.dashboard import DashboardServer
-            from bigfleet.dashboard.sources import CoordinatorSource
+            from bigfleet.dashboard.coordinator_source import CoordinatorSource
 
             dashboard = DashboardServer(CoordinatorSource(daemon, args.down_after), args.http_listen)
             try:

@@ -10,7 +10,7 @@ metadata on failure, all unchanged.
 * **One hop.** A forwarded call carries :data:`FORWARDED_METADATA_KEY` (the forwarding
   replica's node id) and is never forwarded again: the replica it reaches serves it or refuses
   it (``not leader``, with its own leader hint), and that answer is relayed. Clients may set
-  the key themselves (:data:`~bigfleet.coordinator.client.DIRECT_METADATA`) to ask one
+  the key themselves (:data:`~bigfleet.coordclient.client.DIRECT_METADATA`) to ask one
   replica only, e.g. to probe which one leads.
 * **Deadline.** The forwarded call's deadline is the caller's remaining time, capped at
   ``max_timeout`` (also the deadline when the caller set none). Cancelling the caller's call
@@ -40,7 +40,7 @@ from typing import Any, NoReturn
 import grpc
 from prometheus_client import Counter
 
-from bigfleet.coordinator.client import FORWARDED_METADATA_KEY, LEADER_METADATA_KEY
+from bigfleet.coordclient.client import FORWARDED_METADATA_KEY, LEADER_METADATA_KEY
 from bigfleet.observability import get_logger
 from bigfleet.security.tls import RotatingChannel, TLSConfig
 from bigfleet.v1alpha1 import coordinator_pb2_grpc as pbg

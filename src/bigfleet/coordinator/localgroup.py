@@ -7,8 +7,8 @@ from pathlib import Path
 
 import grpc
 
-from bigfleet.coordinator.client import DIRECT_METADATA
-from bigfleet.testing import ManagedProcess, free_port, wait_until
+from bigfleet.coordclient.client import DIRECT_METADATA
+from bigfleet.process import ManagedProcess, free_port, wait_until
 from bigfleet.v1alpha1 import coordinator_pb2 as pb
 from bigfleet.v1alpha1 import coordinator_pb2_grpc as pbg
 
@@ -110,7 +110,7 @@ class CoordGroup:
         self, i: int, method: str, req: object, timeout: float = 5.0, metadata: tuple[tuple[str, str], ...] = ()
     ) -> object:
         """``method`` on replica ``i`` (a follower forwards it to the leader unless ``metadata``
-        is :data:`~bigfleet.coordinator.client.DIRECT_METADATA`)."""
+        is :data:`~bigfleet.coordclient.client.DIRECT_METADATA`)."""
         ch = self._channels.get(i)
         if ch is None:
             ch = self._channels[i] = grpc.insecure_channel(self.addr(i))

@@ -472,7 +472,7 @@ class CoordinatorDaemon:
 
     async def _join_loop(self) -> None:
         """Ask the group (via --join-addr) to add this replica until a leader is visible."""
-        from bigfleet.coordinator.client import CoordinatorClient
+        from bigfleet.coordclient.client import CoordinatorClient
 
         delay = 1.0
         client = CoordinatorClient([a for a in self.cfg.join_addr.split(",") if a], tls=self.cfg.tls)

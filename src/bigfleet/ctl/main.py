@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import yaml
 
-from bigfleet.coordinator.client import CoordinatorClient, CoordinatorUnavailable
+from bigfleet.coordclient.client import CoordinatorClient, CoordinatorUnavailable
 from bigfleet.ctl.shardcmds import ShardCallFailed, UsageError
 from bigfleet.v1alpha1 import coordinator_pb2 as pb
 

@@ -1,6 +1,7 @@
 """Demand: resource vectors, requirements, penalty buckets, profiles, needs and the NeedsTable.
 
-Pure (no I/O, no clock reads): time is always passed in. Import everything from here.
+Pure (no I/O, no clock reads): time is always passed in. Import everything from here; the proto
+conversions are in `bigfleet.wire.needs`.
 """
 
 from bigfleet.needs.errors import ValidationError
@@ -25,20 +26,6 @@ from bigfleet.needs.requirements import (
 )
 from bigfleet.needs.resources import EMPTY, Resources
 from bigfleet.needs.table import NeedsTable, snapshot_sort_key
-from bigfleet.needs.wire import (
-    need_from_proto,
-    need_to_proto,
-    profile_from_proto,
-    requirement_from_proto,
-    requirement_to_proto,
-    requirements_from_proto,
-    rollup_from_proto,
-    rollup_to_proto,
-    spread_from_proto,
-    spread_to_proto,
-    validate_cluster_id,
-    validate_group,
-)
 
 EMPTY_RESOURCES = EMPTY
 
@@ -66,19 +53,7 @@ __all__ = [
     "format_quantity",
     "matches_all",
     "merge_needs",
-    "need_from_proto",
-    "need_to_proto",
     "parse_quantity",
     "penalty_sort_key",
-    "profile_from_proto",
-    "requirement_from_proto",
-    "requirement_to_proto",
-    "requirements_from_proto",
-    "rollup_from_proto",
-    "rollup_to_proto",
     "snapshot_sort_key",
-    "spread_from_proto",
-    "spread_to_proto",
-    "validate_cluster_id",
-    "validate_group",
 ]

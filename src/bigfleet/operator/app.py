@@ -108,7 +108,7 @@ class CoordinatorResolver:
         # reachable from it, or an older release) names the leader in its refusal; that address
         # is tried next, once, when it is dialable from here (a pod name on the coordinator's
         # headless Service is not, from another cluster: then the next address is tried).
-        from bigfleet.coordinator.client import leader_hint
+        from bigfleet.coordclient.client import leader_hint
 
         order, tried = list(self.coordinators), set()
         while order:

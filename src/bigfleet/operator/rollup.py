@@ -18,17 +18,10 @@ from typing import Any
 
 from pydantic import ValidationError as PydanticValidationError
 
-from bigfleet.needs import (
-    Resources,
-    ValidationError,
-    bucket_from_dollars,
-    format_quantity,
-    parse_quantity,
-    profile_from_proto,
-    requirement_from_proto,
-)
+from bigfleet.needs import Resources, ValidationError, bucket_from_dollars, format_quantity, parse_quantity
 from bigfleet.operator.crds import CORE_OPERATORS, CapacityRequest, LabelSelectorSpec
 from bigfleet.v1alpha1 import capacity_pb2
+from bigfleet.wire.needs import profile_from_proto, requirement_from_proto
 
 OPERATOR_ENUM = {
     "In": capacity_pb2.NodeSelectorRequirement.OPERATOR_IN,

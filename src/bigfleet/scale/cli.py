@@ -28,11 +28,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bigfleet.process import ManagedProcess, free_port, wait_for_health, wait_until
+from bigfleet.process.procstat import proc_cpu_seconds, tree_cpu_seconds, tree_rss_mb
 from bigfleet.scale import stats
 from bigfleet.scale.loadgen import Job
 from bigfleet.scale.workloads import SHAPES
-from bigfleet.testing import ManagedProcess, free_port, wait_for_health, wait_until
-from bigfleet.testing.procstat import proc_cpu_seconds, tree_cpu_seconds, tree_rss_mb
 
 BIND_KINDS = ("Configure", "Create")
 
@@ -183,7 +183,7 @@ def _listen_of(p: ManagedProcess) -> str:
 def _registered(coord_addr: str) -> int:
     import asyncio
 
-    from bigfleet.coordinator.client import CoordinatorClient
+    from bigfleet.coordclient.client import CoordinatorClient
     from bigfleet.v1alpha1 import coordinator_pb2 as pb
 
     async def go() -> int:

@@ -179,7 +179,7 @@ async def resolve(job: Job) -> dict[int, str]:
     """Session address per cluster: the fixed shard, or the coordinator's placement."""
     if not job.coordinator:
         return dict.fromkeys(job.clusters, job.shard)
-    from bigfleet.coordinator.client import CoordinatorClient
+    from bigfleet.coordclient.client import CoordinatorClient
     from bigfleet.v1alpha1 import coordinator_pb2 as pb
 
     client = CoordinatorClient([a for a in job.coordinator.split(",") if a], timeout=30.0)

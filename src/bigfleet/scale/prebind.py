@@ -21,14 +21,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from bigfleet.decision import Configure, Create, Decision, EngineConfig, EngineState, decide
-from bigfleet.machine import Assignment, Machine, encode_shard_metadata
-from bigfleet.machine.wire import machine_from_proto
+from bigfleet.machine import Assignment, Machine
 from bigfleet.needs import Need
-from bigfleet.needs.wire import need_from_proto
 from bigfleet.provider.fake.catalog import build_catalog
 from bigfleet.provider.fake.seed import Binding, read_seed, write_seed
 from bigfleet.provider.kit.model import Instance, record_from_instance, validate_instance
 from bigfleet.scale.workloads import cluster_id, rollup_needs
+from bigfleet.wire.machine import encode_shard_metadata, machine_from_proto
+from bigfleet.wire.needs import need_from_proto
 
 #: the owner key the shard stamps into Configure when it runs with the handoff (shard/handoff.py)
 OWNER_KEY = "bigfleet.lucy.sh/owner-shard"

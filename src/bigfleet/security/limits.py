@@ -6,7 +6,7 @@ its own session suffers. Over a size limit → :class:`LimitExceeded` (answer
 RESOURCE_EXHAUSTED or INVALID_ARGUMENT on that session only); over the frame rate → the
 throttle first defers that session's work and closes it only if the flood persists.
 
-The roll-up bounds match :mod:`bigfleet.needs.wire` (which enforces them again while
+The roll-up bounds match :mod:`bigfleet.wire.needs` (which enforces them again while
 converting), so the operator can check before sending and the shard before decoding. One
 exception: the co-location group is held to 253 characters here, at ingest, while the decoder
 still takes up to 4 096 so roll-ups replicated before that limit keep restoring on failover.
@@ -45,7 +45,7 @@ class Limits:
     max_label_value_len: int = 63
     max_resource_value_len: int = 64
     max_id_len: int = 253
-    max_group_len: int = 253  # co-location group (= bigfleet.needs.wire.MAX_COLOCATION_GROUP_LEN)
+    max_group_len: int = 253  # co-location group (= bigfleet.wire.needs.MAX_COLOCATION_GROUP_LEN)
     max_bootstrap_blob_bytes: int = 1 << 20  # cloud user-data limits are 16-256 KiB
     max_bootstrap_error_len: int = 4096
     max_request_id_len: int = 64

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from bigfleet.machine import Machine, MachineShape, MachineState
-from bigfleet.needs import Need, Requirement, requirement_to_proto
+from bigfleet.needs import Need, Requirement
 from bigfleet.v1alpha1 import provider_pb2, shard_pb2
+from bigfleet.wire.needs import requirement_to_proto
 
 Conf = shard_pb2.AvailableCapacityUpdate
 

@@ -20,7 +20,7 @@ import grpc
 
 from bigfleet.budget import BudgetRule, parse_budget
 from bigfleet.decision.types import Decision, EngineConfig
-from bigfleet.needs import Need, requirement_to_proto, snapshot_sort_key
+from bigfleet.needs import Need, snapshot_sort_key
 from bigfleet.observability import get_logger
 from bigfleet.security.tls import TLSConfig
 from bigfleet.shard.budgets import DisruptionBudgets
@@ -42,6 +42,7 @@ from bigfleet.shard.store import ReplicatedStore
 from bigfleet.shard.verdicts import NeedVerdictSender
 from bigfleet.shard.view import MachineView, node_state_update
 from bigfleet.v1alpha1 import capacity_pb2, coordinator_pb2, provider_pb2, shard_pb2
+from bigfleet.wire.needs import requirement_to_proto
 
 log = get_logger("bigfleet.shard")
 

@@ -16,11 +16,11 @@ from collections.abc import Callable, Mapping
 
 from bigfleet.decision.types import Action, Configure, Create, Decision, Delete, Drain
 from bigfleet.machine import MachineState
-from bigfleet.needs import requirement_to_proto
 from bigfleet.shard.budgets import Candidate, DisruptionBudgets
 from bigfleet.shard.executor import Binding, Executor
 from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.shard.view import MachineView
+from bigfleet.wire.needs import requirement_to_proto
 
 
 def binding_of(a: Create | Configure) -> Binding:

@@ -30,13 +30,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from bigfleet.machine import Assignment, encode_shard_metadata
+from bigfleet.machine import Assignment
 from bigfleet.observability import get_logger
 from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.shard.provider_client import ProviderClient, ProviderError
 from bigfleet.shard.sessions import BootstrapUnavailable, ReclaimSent, SessionRegistry
 from bigfleet.shard.view import MachineView, node_name
 from bigfleet.v1alpha1 import capacity_pb2, provider_pb2
+from bigfleet.wire.machine import encode_shard_metadata
 
 log = get_logger("bigfleet.shard.executor")
 
@@ -805,6 +806,6 @@ def _copy(pb: provider_pb2.Machine) -> provider_pb2.Machine:
 
 
 def requirements_to_proto(reqs: Sequence[Any]) -> tuple[capacity_pb2.NodeSelectorRequirement, ...]:
-    from bigfleet.needs import requirement_to_proto
+    from bigfleet.wire.needs import requirement_to_proto
 
     return tuple(requirement_to_proto(r) for r in reqs)

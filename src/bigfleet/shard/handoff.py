@@ -38,17 +38,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
-from bigfleet.coordinator.client import BaseInstructionHandler
+from bigfleet.coordclient.client import BaseInstructionHandler
 from bigfleet.machine import Machine, MachineState
 from bigfleet.needs import Resources
 from bigfleet.needs.requirements import matches_all
-from bigfleet.needs.wire import requirement_from_proto
 from bigfleet.observability import get_logger
 from bigfleet.shard.budgets import Candidate
 from bigfleet.shard.ha.node import ShardLog
 from bigfleet.shard.ha.state import Ledger, ReleasedCluster
 from bigfleet.shard.provider_client import ProviderError
 from bigfleet.v1alpha1 import capacity_pb2, coordinator_pb2, provider_pb2
+from bigfleet.wire.needs import requirement_from_proto
 
 if TYPE_CHECKING:
     from bigfleet.shard.daemon import ShardDaemon
@@ -148,7 +148,7 @@ def pick_drain_victims(machines: Iterable[Machine], busy: frozenset[str] | set[s
 
 # --------------------------------------------------------------------------- the shell
 class ShardHandoff(BaseInstructionHandler):
-    """The shard's :class:`~bigfleet.coordinator.client.InstructionHandler`.
+    """The shard's :class:`~bigfleet.coordclient.client.InstructionHandler`.
 
     Every ledger change is a command on the shard's replicated state, committed (under this
     leader's epoch) before the instruction is acknowledged: a restart, a failover or a deposed

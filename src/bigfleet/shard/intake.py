@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from bigfleet.budget import BudgetError, BudgetRule, parse_budget
-from bigfleet.needs import Need, ValidationError, rollup_from_proto
+from bigfleet.needs import Need, ValidationError
 from bigfleet.observability import get_logger
 from bigfleet.security.limits import LimitExceeded, check_rollup
 from bigfleet.shard.guard import DemandSize, EmptyRollupGuard, GuardConfig
@@ -24,6 +24,7 @@ from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.shard.sessions import RollupOutcome
 from bigfleet.shard.store import ReplicatedStore
 from bigfleet.v1alpha1 import capacity_pb2
+from bigfleet.wire.needs import rollup_from_proto
 
 log = get_logger("bigfleet.shard.intake")
 

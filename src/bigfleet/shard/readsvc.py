@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from bigfleet.needs import need_to_proto, requirement_to_proto
 from bigfleet.shard.engineproc import row_age, row_resources
 from bigfleet.shard.ha.node import RaftError
 from bigfleet.v1alpha1 import coordinator_pb2, provider_pb2, shardread_pb2, shardread_pb2_grpc
+from bigfleet.wire.needs import need_to_proto, requirement_to_proto
 
 if TYPE_CHECKING:
     from bigfleet.shard.daemon import ShardDaemon

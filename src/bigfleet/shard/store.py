@@ -12,11 +12,12 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from bigfleet.decision.types import EngineState
-from bigfleet.needs import Need, NeedsTable, ValidationError, rollup_from_proto
+from bigfleet.needs import Need, NeedsTable, ValidationError
 from bigfleet.observability import get_logger
 from bigfleet.shard.ha.node import RaftError, ShardLog
 from bigfleet.shard.ha.state import HAState
 from bigfleet.v1alpha1 import capacity_pb2
+from bigfleet.wire.needs import rollup_from_proto
 
 log = get_logger("bigfleet.shard.store")
 

@@ -27,10 +27,11 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 
-from bigfleet.machine import Machine, ValidationError, machine_from_proto
+from bigfleet.machine import Machine, ValidationError
 from bigfleet.machine import rejection_reason as _core_rejection_reason
 from bigfleet.observability import get_logger
 from bigfleet.v1alpha1 import provider_pb2, shard_pb2
+from bigfleet.wire.machine import machine_from_proto
 
 log = get_logger("bigfleet.shard.view")
 

@@ -12,8 +12,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from bigfleet.machine import decode_shard_metadata
 from bigfleet.machine.state import TRANSITIONS, MachineState
+from bigfleet.wire.machine import decode_shard_metadata
 
 TRANSITIONAL = {MachineState.CREATING, MachineState.CONFIGURING, MachineState.DRAINING, MachineState.DELETING}
 BOUND = {MachineState.CONFIGURING, MachineState.CONFIGURED}

@@ -1,5 +1,11 @@
-"""Helpers for tests that run real daemons as separate processes on loopback."""
+"""Helpers for tests that run real daemons as separate processes on loopback.
 
-from bigfleet.testing.procs import ManagedProcess, free_port, wait_for_health, wait_until
+The process helpers themselves live in :mod:`bigfleet.process` (the all-in-one fleet, the scale
+harness and the conformance runner use them too); this package re-exports them for tests and
+benchmarks. Production code must not import ``bigfleet.testing`` (an import-linter contract, see
+docs/architecture.md).
+"""
+
+from bigfleet.process import ManagedProcess, free_port, wait_for_health, wait_until
 
 __all__ = ["ManagedProcess", "free_port", "wait_for_health", "wait_until"]

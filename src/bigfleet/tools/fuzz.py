@@ -184,8 +184,9 @@ def _proto_seed_rollup() -> bytes:
 
 def _rollup_pipeline() -> Callable[[Any], None]:
     """Limits pre-check, then the shard's decoder, then the NeedsTable it feeds."""
-    from bigfleet.needs import NeedsTable, ValidationError, rollup_from_proto
+    from bigfleet.needs import NeedsTable, ValidationError
     from bigfleet.security.limits import LimitExceeded, check_rollup
+    from bigfleet.wire.needs import rollup_from_proto
 
     def run(pb: Any) -> None:
         try:
@@ -321,9 +322,9 @@ def _machine_seed() -> bytes:
 def _t_machine() -> Harness:
     from google.protobuf.message import DecodeError
 
-    from bigfleet.machine.wire import machine_from_proto, machine_to_proto
     from bigfleet.needs import ValidationError
     from bigfleet.v1alpha1 import provider_pb2 as ppb
+    from bigfleet.wire.machine import machine_from_proto, machine_to_proto
 
     def harness(data: bytes) -> None:
         try:
@@ -341,7 +342,7 @@ def _t_machine() -> Harness:
 
 
 def _t_shard_metadata() -> Harness:
-    from bigfleet.machine import wire
+    from bigfleet.wire import machine as wire
 
     keys = [v for k, v in vars(wire).items() if k.startswith("META_") and isinstance(v, str)] + ["", "x"]
 
@@ -479,9 +480,10 @@ def _t_cr_rollup() -> Harness:
 
 def _t_cr_to_shard() -> Harness:
     """End to end: whatever roll-up the operator builds from CRs, the shard must accept."""
-    from bigfleet.needs import ValidationError, rollup_from_proto
+    from bigfleet.needs import ValidationError
     from bigfleet.operator.rollup import build_rollup
     from bigfleet.security.limits import check_rollup
+    from bigfleet.wire.needs import rollup_from_proto
 
     def harness(data: bytes) -> None:
         r = Reader(data)

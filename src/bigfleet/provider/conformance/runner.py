@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from bigfleet.process import free_port
 from bigfleet.provider.conformance.checks import Check, Ctx, checks_for, durability_before
 from bigfleet.provider.conformance.dialer import Transport
 from bigfleet.provider.conformance.harness import CheckFailed, Harness, Skip
 from bigfleet.provider.kit.faults import ENV_ENABLE, ENV_TIMEOUT
-from bigfleet.testing import free_port
 
 LANES = ("core", "fault", "durability", "scale")
 GRACEFUL = "D707"  # runs after a SIGTERM restart, not with the other durability checks

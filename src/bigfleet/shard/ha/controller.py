@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health as grpc_health
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from bigfleet.coordinator.client import CoordinatorClient, HeartbeatLoop
+from bigfleet.coordclient.client import CoordinatorClient, HeartbeatLoop
 from bigfleet.dashboard.sources import ShardSource
 from bigfleet.observability import get_logger
 from bigfleet.rpc.options import NOT_SERVING, SERVING

@@ -92,7 +92,7 @@ async def serve(settings: ShardSettings, tls: TLSConfig | None = None) -> int:
     coord_client = None
     heartbeats = None
     if settings.coordinator:
-        from bigfleet.coordinator.client import CoordinatorClient
+        from bigfleet.coordclient.client import CoordinatorClient
 
         coord_client = CoordinatorClient([a for a in settings.coordinator.split(",") if a.strip()], tls=tls)
         heartbeats = Heartbeats(coord_client, settings.heartbeat_interval, data_dir / "coordinator-client.json")
