@@ -18,10 +18,11 @@ browser-deps:
 	  || echo "browser-deps: could not install chromium; the dashboard browser test will skip"; \
 	else echo "browser-deps: no apt-get/root; the dashboard browser test will skip"; fi
 
-$(BIN)/bigfleet: pyproject.toml
+# One resolve for both the package and the AWS provider (editable, with its test extra moto[server]).
+$(BIN)/bigfleet: pyproject.toml providers/aws/pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev]' -e './providers/aws[test]'
 	@touch $@
 
 # Regenerate messages, gRPC stubs and type stubs from proto/ into one package.
@@ -33,11 +34,12 @@ proto-check:
 	$(BIN)/python -m bigfleet.tools.protocheck
 
 lint:
-	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff check src tests bench providers
 	$(BIN)/lint-imports
 
 typecheck:
 	$(BIN)/mypy
+	$(BIN)/mypy providers/aws/src/bigfleet_provider_aws
 
 test: lint typecheck proto-check
 	$(BIN)/pytest -q -p no:cacheprovider

@@ -77,7 +77,10 @@ async def test_verdicts_become_conditions_and_deduplicated_events(kube: KubeTest
                 ])))
 
         send(shardread_pb2.UNMET_REASON_NO_MATCHING_SUPPLY)
-        await eventually(lambda: cond(s.find("capacityrequests", "gpu", "default"), "Satisfied"), what="conditions")
+        # (the operator writes each CapacityRequest's status on its own: wait for all three)
+        await eventually(lambda: all(cond(s.find("capacityrequests", n, ns), "Satisfied")
+                                     for n, ns in (("gpu", "default"), ("a", "default"), ("b", "team2"))),
+                         what="conditions")
         gpu = s.find("capacityrequests", "gpu", "default")
         assert gpu is not None
         st = gpu["status"]

@@ -324,3 +324,26 @@ async def test_heap_is_settled_between_cycles_and_handed_back_periodically() -> 
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await d.stop(drain_timeout=0.2)
+
+
+def test_provider_records_no_legal_path_explains_are_quarantined() -> None:
+    """Lists skip intermediate states, so a jump is fine; leaving FAILED, or a bound machine moving to
+    another cluster without passing Idle, is not: the machine is failed here with the reason."""
+    rejected: list[str] = []
+    v = MachineView(on_reject=rejected.append)
+    v.observe(machine("m1", S.MACHINE_STATE_SPECULATIVE))
+    v.observe(machine("m1", S.MACHINE_STATE_CONFIGURED, "c1"))  # a skip (Create, Idle, Configure unseen): fine
+    assert v.get("m1").state == S.MACHINE_STATE_CONFIGURED and not rejected  # type: ignore[union-attr]
+    assert not v.observe(machine("m1", S.MACHINE_STATE_CONFIGURED, "c2"))  # rebound without Idle
+    pb = v.get("m1")
+    assert pb is not None and pb.state == S.MACHINE_STATE_FAILED and "without Idle" in pb.last_error
+    assert rejected == ["illegal_transition"] and "m1" in v.failed_local
+    failed = machine("m2", S.MACHINE_STATE_FAILED)
+    failed.last_error = "disk gone"
+    assert v.observe(failed)
+    assert not v.observe(machine("m2", S.MACHINE_STATE_IDLE))  # FAILED is terminal
+    assert "FAILED -> MACHINE_STATE_IDLE" in v.get("m2").last_error  # type: ignore[union-attr]
+    failed.id = "m3"
+    assert v.observe(failed)
+    assert v.observe(machine("m3", S.MACHINE_STATE_SPECULATIVE))  # a slot recycled out of band
+    assert len(rejected) == 2

@@ -195,8 +195,8 @@ class ShardDaemon:
         self.engine: EngineBackend = engine_backend(config.mode, metrics, config.engine_timeout, config.engine_nice)
         self.heap = HeapSettler(metrics, config.clock, config.heap_settle_interval)
         self.servicer = SessionServicer(self.sessions, self.handle_rollup, self._ack_info, self.resync,
-                                        refuse_cluster=self.handoff.refusal, hold_cluster=self.handoff.hold)
-        self.servicer.on_registration_timeout = self.verdicts.registration_timeout
+                                        refuse_cluster=self.handoff.refusal, hold_cluster=self.handoff.hold,
+                                        on_registration_timeout=self.verdicts.registration_timeout)
         # The kill switch: a flag holds it on; a runtime SetActuation is replicated and survives
         # restarts and failovers (it can add a pause or dry-run, never lift one the flags impose).
         act = snap.actuation

@@ -310,6 +310,7 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
         max_unkeyed: int = 4096,
         refuse_cluster: Callable[[str], tuple[str, str] | None] | None = None,
         hold_cluster: Callable[[str], Awaitable[str | None]] | None = None,
+        on_registration_timeout: Callable[[str, shard_pb2.NodeRegistrationTimeout], object] | None = None,
     ) -> None:
         self.registry = registry
         self._on_rollup = on_rollup
@@ -323,7 +324,7 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
         # handed to this shard (handoff.py). May wait a little for the adoption before answering.
         self.hold_cluster = hold_cluster
         # Operator reports of a Configured machine whose Node never registered (verdicts.py).
-        self.on_registration_timeout: Callable[[str, shard_pb2.NodeRegistrationTimeout], object] | None = None
+        self.on_registration_timeout = on_registration_timeout
 
     def _ack(self, echo: str) -> shard_pb2.ShardMessage:
         term, epoch = self._ack_info()

@@ -36,6 +36,7 @@ from bigfleet.wire.machine import machine_from_proto
 log = get_logger("bigfleet.shard.view")
 
 S = provider_pb2.MachineState
+#: states in which a machine belongs to one cluster (changing cluster means passing Idle first)
 BOUND_STATES = frozenset({S.MACHINE_STATE_CONFIGURING, S.MACHINE_STATE_CONFIGURED, S.MACHINE_STATE_DRAINING})
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
@@ -185,15 +186,41 @@ class MachineView:
             self._by_cluster.setdefault(new_cluster, {})[machine_id] = None
 
     def observe(self, pb: provider_pb2.Machine) -> bool:
-        """A record from the provider (List/Get/ack); applied unless the executor owns the machine."""
+        """A record from the provider (List/Get/ack); applied unless the executor owns the machine.
+        A record that no sequence of legal transitions explains is quarantined: the machine is
+        failed here with the reason, counted and logged, instead of being trusted."""
         if pb.id in self.inflight or pb.id in self.failed_local:
             self.provider_latest[pb.id] = pb
             return True
+        illegal = self.illegal_change(pb)
+        if illegal:
+            log.warning("provider reported an illegal transition; machine quarantined", machine=pb.id, why=illegal)
+            if self._on_reject:
+                self._on_reject("illegal_transition")
+            self.provider_latest[pb.id] = pb
+            self.mark_failed(pb.id, f"quarantined: provider reported {illegal}")
+            return False
         if self.set(pb):
             self.provider_latest.pop(pb.id, None)  # the view's record is the latest now
             return True
         self.provider_latest[pb.id] = pb
         return False
+
+    def illegal_change(self, pb: provider_pb2.Machine) -> str:
+        """Why the provider's new record cannot follow the one held ("" when it can). Lists skip
+        intermediate states, so only changes no path explains count: leaving FAILED (terminal;
+        a slot recycled out of band comes back Speculative), or a bound machine moving to another
+        cluster without passing Idle."""
+        old_raw = self._pb.get(pb.id)
+        if old_raw is None:
+            return ""
+        old = provider_pb2.Machine.FromString(old_raw)
+        if old.state == S.MACHINE_STATE_FAILED and pb.state not in (S.MACHINE_STATE_FAILED, S.MACHINE_STATE_SPECULATIVE):
+            return f"FAILED -> {S.Name(pb.state)}"
+        if old.cluster and pb.cluster and old.cluster != pb.cluster and old.state in BOUND_STATES \
+                and pb.state in BOUND_STATES:
+            return f"{S.Name(old.state)} for {old.cluster!r} -> {S.Name(pb.state)} for {pb.cluster!r} without Idle"
+        return ""
 
     def forget(self, machine_id: str) -> None:
         if (old_raw := self._pb.pop(machine_id, None)) is not None:

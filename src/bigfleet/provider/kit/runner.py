@@ -15,6 +15,8 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from bigfleet.observability import configure_logging, get_logger, new_registry, start_metrics_server
 from bigfleet.provider.kit.backend import Backend
 from bigfleet.provider.kit.faults import ConformanceFaults, fault_timeout, faults_enabled
@@ -55,7 +57,7 @@ def options_from_args(args: argparse.Namespace, base: KitOptions | None = None) 
 
 async def serve_until_signal(
     backend: Backend, args: argparse.Namespace, options: KitOptions | None = None, component: str = "provider",
-    tls: Any = None, store: Store | None = None,
+    tls: Any = None, store: Store | None = None, registry: CollectorRegistry | None = None,
 ) -> int:
     log = get_logger("bigfleet.provider", component=component)
     opts = options_from_args(args, options)
@@ -64,7 +66,8 @@ async def serve_until_signal(
         log.warning("conformance fault hooks enabled", transition_timeout=opts.configure_timeout)
     if store is None:  # a caller-built store (e.g. the fake provider's prebind seed) wins over --state-file
         store = FileStore(args.state_file) if args.state_file else NullStore()
-    registry = new_registry(process_metrics=True)
+    if registry is None:  # a caller-built registry lets a provider add its own metrics to /metrics
+        registry = new_registry(process_metrics=True)
     running = await serve(backend, args.listen, store, opts, registry, tls=tls)
     metrics = start_metrics_server(args.metrics_listen, registry) if args.metrics_listen else None
     log.info("provider serving", listen=args.listen, port=running.port, machines=len(running.provider.core.machines),
@@ -100,7 +103,8 @@ async def _reconcile_loop(provider: ProviderServer, interval: float, log: object
 
 
 def run(backend: Backend, args: argparse.Namespace, options: KitOptions | None = None,
-        component: str = "provider", store: Store | None = None) -> int:
+        component: str = "provider", store: Store | None = None,
+        registry: CollectorRegistry | None = None) -> int:
     from bigfleet.security import TLSConfig, TLSConfigError
 
     try:
@@ -109,4 +113,5 @@ def run(backend: Backend, args: argparse.Namespace, options: KitOptions | None =
         print(f"bigfleet {component}: {exc}", file=sys.stderr)
         return 2
     configure_logging(args.log_level, args.log_format, component=component)
-    return asyncio.run(serve_until_signal(backend, args, options, component, tls=tls, store=store))
+    return asyncio.run(serve_until_signal(backend, args, options, component, tls=tls, store=store,
+                                          registry=registry))

@@ -1,0 +1,3 @@
+from bigfleet_provider_aws.cli import main
+
+raise SystemExit(main())
