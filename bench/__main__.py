@@ -1,6 +1,8 @@
-"""`make bench` / `python -m bench [AREA ...]`: run every benchmark module (bench/bench_<area>.py).
+"""`make bench` / `python -m bench [AREA ...] [--FLAG ...]`: run every benchmark module (bench/bench_<area>.py).
 
-Each module exposes ``main(argv: list[str]) -> int`` and prints its own table.
+Each module exposes ``main(argv: list[str]) -> int`` and prints its own table. Arguments from the
+first one starting with ``-`` on are passed to each chosen area's ``main`` (e.g.
+``python -m bench shard_ha --failover-machines 100000``).
 Figures worth keeping go to docs/performance.md with machine, date and command.
 """
 
@@ -20,14 +22,15 @@ def areas() -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    chosen = argv or areas()
+    cut = next((i for i, a in enumerate(argv) if a.startswith("-")), len(argv))
+    chosen, flags = argv[:cut] or areas(), argv[cut:]
     print(f"# bigfleet benchmarks — {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
     print(f"# machine: {platform.machine()}, {platform.processor() or 'cpu'}, python {platform.python_version()}")
     rc = 0
     for area in chosen:
         print(f"\n## {area}")
         module = importlib.import_module(f"bench.bench_{area}")
-        rc |= int(module.main([]) or 0)
+        rc |= int(module.main(flags) or 0)
     return rc
 
 

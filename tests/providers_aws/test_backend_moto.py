@@ -139,10 +139,13 @@ async def test_a_fresh_start_adopts_running_instances(moto_server: Moto) -> None
     """Without its state file the provider finds its hosts by tag and reports them IDLE, not SPECULATIVE."""
     b, _ = make_backend(moto_server)
     m = record(b)
-    got = await b.create_instance(CreateCall(m, "op-1"))
+    first = await b.create_instance(CreateCall(m, "op-1"))
+    await b.delete_instance(DeleteCall(record(b, host=first.host.ref), "op-2"))
+    got = await b.create_instance(CreateCall(m, "op-3"))  # the slot's second instance, same second maybe
     b2 = AwsBackend(b.cfg, Api(b.cfg, AwsMetrics(CollectorRegistry())))
-    found = {i.id: i for i in await b2.describe()}[m.id]
-    assert found.state == State.IDLE and found.host == got.host
+    found = {i.id: i for i in await b2.describe()}
+    assert found[m.id].state == State.IDLE and found[m.id].host == got.host  # the live one, not the terminated
+    assert sum(i.state == State.IDLE for i in found.values()) == 1
 
 
 async def test_configure_drain_delete(moto_server: Moto) -> None:

@@ -141,3 +141,20 @@ def test_serves_mtls_with_the_shared_tls_flags(moto_server: Moto, tmp_path: Path
             ch.unary_unary("/bigfleet.v1alpha1.CapacityProvider/List")(b"", timeout=5)
     finally:
         proc.stop()
+
+
+def test_an_unknown_instance_type_stops_the_start_with_one_clear_line(moto_server: Moto, tmp_path: Path) -> None:
+    raw = yaml.safe_load(MOTO_YAML.read_text())
+    raw["endpoint_url"] = moto_server.url
+    raw["pricing"]["on_demand_file"] = str(EXAMPLES / "prices-on-demand.yaml")
+    raw["pricing"]["on_demand"] = {"m5.huge": 1.0}
+    raw["supply"]["pools"][0]["instance_types"] = ["m5.huge"]
+    cfg = tmp_path / "aws.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    p = subprocess.run([sys.executable, "-m", "bigfleet_provider_aws", "--config", str(cfg), "--listen",
+                        "127.0.0.1:0"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1
+    assert "cannot start" in p.stderr and "m5.huge" in p.stderr and "Traceback" not in p.stderr
+    bad = subprocess.run([sys.executable, "-m", "bigfleet_provider_aws", "--config", str(MOTO_YAML), "--region",
+                          "eu-central-1"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "no prices for region 'eu-central-1'" in bad.stderr

@@ -24,7 +24,9 @@ ORDER = {S.MACHINE_STATE_SPECULATIVE: 0, S.MACHINE_STATE_CREATING: 1, S.MACHINE_
 
 
 async def test_demand_configures_rejects_malformed_and_reclaims() -> None:
-    holds = ("--spot-hold-seconds", "1", "--on-demand-hold-seconds", "1")
+    # (the withdrawal below is a collapse the empty-roll-up guard would hold for 30 s: its own
+    # test is tests/shard/test_budget_e2e.py)
+    holds = ("--spot-hold-seconds", "1", "--on-demand-hold-seconds", "1", "--no-empty-rollup-guard")
     async with fleet(("--seed-count", "4", "--committed-count", "2"), holds) as (_prov, spy, shard):  # noqa: SIM117
         async with FakeOperator(shard.addr, "c1", blob=b"join-c1-token") as op:
             await op.send_rollup([need("7", count=3)])

@@ -116,3 +116,18 @@ def test_ledger_and_actuation_are_replicated_epoch_guarded_and_survive_a_snapsho
     copy = s.copy()
     copy.ledger.released.clear()
     assert s.ledger.released  # a leader's copy never aliases the live ledger
+
+
+def test_changed_flags_set_the_switch_unchanged_flags_keep_a_runtime_one() -> None:
+    s = HAState()
+    e = s.claim(1, "a", "A")
+    assert s.apply_actuation_flags(True, False, e)  # started with --paused
+    assert s.effective_actuation().paused
+    assert s.set_actuation(False, False, e)  # bigfleetctl resume
+    e2 = s.claim(2, "b", "B")
+    assert s.apply_actuation_flags(True, False, e2)  # a failover, same flags: the resume stays
+    assert not s.effective_actuation().paused
+    e3 = s.claim(3, "a", "A")
+    assert s.apply_actuation_flags(False, True, e3)  # a rollout with new flags: they win
+    assert s.effective_actuation().dry_run and not s.effective_actuation().paused
+    assert not s.apply_actuation_flags(True, True, e)  # a deposed leader's epoch

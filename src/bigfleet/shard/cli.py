@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     ha.add_argument("--raft-bind", help="HOST:PORT of this replica's Raft endpoint (also its Raft identity)")
     ha.add_argument("--raft-peers", help="Raft endpoints of the other replicas HOST:PORT,...")
     ha.add_argument("--raft-password", help="shared Raft transport secret (prefer BIGFLEET_SHARD_RAFT_PASSWORD)")
+    ha.add_argument("--raft-election-min", type=float, help="seconds (default 3; above 3 heartbeats)")
+    ha.add_argument("--raft-election-max", type=float, help="seconds (default 6; above --raft-election-min)")
+    ha.add_argument("--raft-leader-fallback", type=float,
+                    help="seconds a leader keeps leading without hearing a majority (default 6)")
     add_tls_arguments(p)
     p.add_argument("--log-level")
     p.add_argument("--log-format", choices=["json", "console"])

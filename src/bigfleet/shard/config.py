@@ -54,6 +54,14 @@ class ShardSettings(BaseSettings):
     raft_bind: str = ""
     raft_peers: str = ""
     raft_password: str = ""
+    # Replica-group Raft timings (a group of one keeps pysyncobj's short defaults: it has no peer to
+    # lose). Longer than the coordinator's: the shard's Raft member shares a process (and its GIL)
+    # with the session loop, and a new leader at 100 000+ machines holds the GIL for 0.3-6 s at a
+    # time while it reads the inventory; shorter timeouts voted such leaders out again and again
+    # (docs/perf/shard-ha.md, failover at scale).
+    raft_election_min: float = Field(3.0, gt=0)
+    raft_election_max: float = Field(6.0, gt=0)
+    raft_leader_fallback: float = Field(6.0, gt=0)
     log_level: str = "info"
     log_format: str = "json"
 

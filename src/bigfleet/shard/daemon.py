@@ -29,7 +29,7 @@ from bigfleet.shard.engines import ENGINE_MODES, CycleInputs, EngineBackend, eng
 from bigfleet.shard.executor import Binding, Executor, ExecutorConfig
 from bigfleet.shard.guard import GuardConfig
 from bigfleet.shard.ha.node import LocalLog, RaftError, ShardLog
-from bigfleet.shard.ha.state import HAState
+from bigfleet.shard.ha.state import Actuation, HAState
 from bigfleet.shard.handoff import EXCLUSIVE, OWNER_KEY, CoordinatorCalls, ShardHandoff
 from bigfleet.shard.hints import CapacityHints
 from bigfleet.shard.intake import RollupIntake
@@ -197,11 +197,10 @@ class ShardDaemon:
         self.servicer = SessionServicer(self.sessions, self.handle_rollup, self._ack_info, self.resync,
                                         refuse_cluster=self.handoff.refusal, hold_cluster=self.handoff.hold,
                                         on_registration_timeout=self.verdicts.registration_timeout)
-        # The kill switch: a flag holds it on; a runtime SetActuation is replicated and survives
-        # restarts and failovers (it can add a pause or dry-run, never lift one the flags impose).
-        act = snap.actuation
-        self.paused = config.engine.paused or bool(act is not None and act.paused)
-        self.dry_run = config.engine.dry_run or bool(act is not None and act.dry_run)
+        # The kill switch, from the replicated state: the flags applied at takeover (a change of
+        # flags wins) or a later runtime SetActuation, which survives restarts and failovers.
+        act = snap.actuation or Actuation(config.engine.paused, config.engine.dry_run)
+        self.paused, self.dry_run = act.paused, act.dry_run
         self.metrics.paused.set(1 if self.paused else 0)
         self.coordinator_term = 0
         self.term_source: TermSource | None = None  # the heartbeat loop's instruction gate, while one runs
@@ -432,11 +431,10 @@ class ShardDaemon:
 
     async def set_actuation(self, paused: bool, dry_run: bool) -> None:
         """Commit the switch to the replicated state first (it survives restart and failover), then
-        obey it; flags that impose a pause or dry-run keep it on."""
+        obey it."""
         if self._stopping.is_set() or not await self.log.set_actuation(paused, dry_run, self.config.epoch):
             raise RaftError("actuation not replicated: this replica no longer leads")
-        self.paused = paused or self.config.engine.paused
-        self.dry_run = dry_run or self.config.engine.dry_run
+        self.paused, self.dry_run = paused, dry_run
         self.metrics.paused.set(1 if self.paused else 0)
         log.warning("actuation changed", paused=self.paused, dry_run=self.dry_run)
         self.trigger()

@@ -387,10 +387,11 @@ class ShardHandoff(BaseInstructionHandler):
                     d.executor.submit_drain(mid, 30, msg.preemptor_priority, "preempt")
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.drain_timeout
-            settled = (MachineState.IDLE, MachineState.FAILED)
             while True:
-                states = [d.view.machine(mid) for mid in ids]
-                if all(m is None or (m.state in settled and m.id not in d.view.inflight) for m in states):
+                # Settled: nothing in flight any more. A drain the executor dropped (the operator
+                # never got or acked its ReclaimInstruction) leaves the victim Configured here.
+                if all(mid not in d.view.inflight for mid in ids) and \
+                        all(m is None or m.state is not MachineState.DRAINING for m in map(d.view.machine, ids)):
                     break
                 if loop.time() > deadline:
                     raise TimeoutError("cross-shard drain: victims did not drain in time")

@@ -62,7 +62,12 @@ class RollupIntake:
         # each cluster's own disruption budget, when its roll-up carries one
         self._budgets: dict[str, tuple[BudgetRule, ...]] = {}
         for cluster_id, r in restored.rollups.items():
-            self._keep_budget(cluster_id, capacity_pb2.ClusterCapacityNeeds.FromString(r.data))
+            pb = capacity_pb2.ClusterCapacityNeeds.FromString(r.data)
+            self._keep_budget(cluster_id, pb)
+            # Every operator resends its unchanged roll-up when it reconnects to a new leader: ack
+            # those after the digest check instead of decoding and committing them again (measured:
+            # 600-3 500 needless commits before a new leader's first cycle at 100K-500K machines).
+            self._digest[cluster_id] = needs_digest(pb)
 
     def budget_for(self, cluster_id: str) -> tuple[BudgetRule, ...] | None:
         return self._budgets.get(cluster_id)

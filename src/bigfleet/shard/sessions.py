@@ -258,6 +258,7 @@ class SessionRegistry:
         self._by_cluster: dict[str, OperatorSession] = {}
         self._metrics = metrics
         self.metrics = metrics
+        self.closed = False  # set by close_all: this term's daemon takes no more sessions
         self.on_removed: list[Callable[[str], None]] = []
         #: bumped whenever a session is installed or removed (lets per-cycle passes skip when idle)
         self.version = 0
@@ -296,6 +297,8 @@ class SessionRegistry:
         return s.send(msg) if s is not None else False
 
     def close_all(self, code: grpc.StatusCode, reason: str) -> None:
+        """End every session; sessions opened after this are refused (``closed``)."""
+        self.closed = True
         for s in list(self._by_cluster.values()):
             s.close(code, reason)
 
@@ -359,6 +362,10 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
         held = await self.hold_cluster(cluster_id) if self.hold_cluster is not None else None
         if held is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, held, trailing_metadata=((RETRY_LATER_KEY, "handoff"),))
+        if self.shutting_down or self.registry.closed:
+            # Checked again after the awaits above: a step-down (or shutdown) that closed every
+            # session meanwhile must not get one more installed on a daemon that no longer runs.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "shard shutting down; reconnect")
         session = OperatorSession(cluster_id, context, self._max_unkeyed)
         slog = log.bind(cluster=cluster_id, session=session.id)
         self.registry.install(session)

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from bigfleet.observability import get_logger
@@ -56,6 +57,7 @@ from bigfleet_provider_aws.aws import (
 from bigfleet_provider_aws.config import Config
 
 T = TypeVar("T")
+_EPOCH = datetime.fromtimestamp(0, UTC)
 
 LABEL_PREFIX = "bigfleet.aws/"
 TERMINAL_COMMAND = {"Success", "Cancelled", "TimedOut", "Failed", "Cancelling", "DeliveryTimedOut",
@@ -233,13 +235,17 @@ class AwsBackend(Backend):
         """Scan this provider's instances; derive interruption marks; fold in queued SQS notices."""
         instances = await self._io(self.api.managed_instances)
         newest: dict[str, dict[str, Any]] = {}
+
+        def rank(i: dict[str, Any]) -> tuple[bool, Any, str]:
+            # The slot's current instance: a live one first (at most one per slot), else the latest launched.
+            return (i.get("State", {}).get("Name") in states.ALIVE, i.get("LaunchTime") or _EPOCH, i["InstanceId"])
+
         for inst in instances:
             mid = tags_of(inst).get(TAG_MACHINE, "")
             if not mid:
                 continue
             cur = newest.get(mid)
-            if cur is None or (inst.get("LaunchTime"), inst["InstanceId"]) > (cur.get("LaunchTime"),
-                                                                             cur["InstanceId"]):
+            if cur is None or rank(inst) > rank(cur):
                 newest[mid] = inst
         if self.cfg.interruption.sqs_queue_url:
             await self._drain_queue(newest)
@@ -299,7 +305,7 @@ class AwsBackend(Backend):
                 resources=resources, allocatable=alloc, labels=self._labels(slot), state=State.SPECULATIVE,
             )
             live = newest.get(slot.id)
-            if live is not None and live.get("State", {}).get("Name") in states.ALIVE:
+            if live is not None and live.get("State", {}).get("Name") in (states.PENDING, states.RUNNING):
                 # Only read on a fresh start (the kit never changes a known machine's state or host):
                 # an instance this provider already runs comes back IDLE instead of being launched twice.
                 inst.host = HostRef(self.host_provider, live["InstanceId"])
@@ -442,9 +448,8 @@ class AwsBackend(Backend):
         try:
             # Marks the end as ours, so it is never read as a spot interruption (even after a restart).
             await self._io(self.api.tag, iid, {TAG_RELEASED: "true"})
-        except Exception as exc:
-            if error_code(exc) != "InvalidInstanceID.NotFound":
-                raise
+        except Exception as exc:  # best effort: without it, only a later AWS-side end could be misread
+            self.log.warning("could not tag a released instance", instance=iid, error=error_code(exc))
         state = await self._io(self.api.terminate, iid)
         while state not in states.GONE:
             await asyncio.sleep(self.cfg.api.poll_seconds)

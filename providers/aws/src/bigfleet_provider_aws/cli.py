@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from botocore.exceptions import BotoCoreError, ClientError
+
 from bigfleet.observability import configure_logging, get_logger, new_registry
 from bigfleet.provider.kit import KitOptions
 from bigfleet.provider.kit.runner import add_common_args, run
@@ -56,7 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     get_logger("bigfleet.provider.aws").info(
         "aws provider configured", region=cfg.region, endpoint_url=cfg.endpoint_url or None,
         credentials=api.credential_source, slots=len(backend.slots), config=cfg.source)
-    return run(backend, args, KitOptions(), component="aws-provider", registry=registry)
+    try:
+        return run(backend, args, KitOptions(), component="aws-provider", registry=registry)
+    except (BotoCoreError, ClientError, RuntimeError, TimeoutError) as exc:
+        # Start-up failures (unknown instance types, AWS unreachable, bad credentials): one clear line.
+        print(f"bigfleet-provider-aws: cannot start: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -190,6 +190,10 @@ class HAController:
         if self.epoch_file is not None:
             await asyncio.to_thread(store_epoch, self.epoch_file, epoch)
         await self._import_legacy_ledger(epoch)
+        # --paused/--dry-run as this replica was started: a change since the last leader wins over
+        # an older runtime switch; unchanged flags leave a runtime pause or resume in force.
+        eng = self.base_config.engine
+        await self.raft.apply_actuation_flags(eng.paused, eng.dry_run, epoch)
         self.epoch, self.term = epoch, term
         cfg = replace(self.base_config, epoch=epoch)
         provider = FencedProviderClient(cfg.provider, cfg.shard_id, epoch, self.metrics, tls=self.tls,

@@ -70,6 +70,8 @@ class ShardLog(Protocol):
 
     async def set_actuation(self, paused: bool, dry_run: bool, epoch: int, timeout: float = 10.0) -> bool: ...
 
+    async def apply_actuation_flags(self, paused: bool, dry_run: bool, epoch: int, timeout: float = 10.0) -> bool: ...
+
     def destroy(self) -> None: ...
 
 
@@ -122,6 +124,11 @@ class _Replicated(LockedConsumer[HAState]):
     def set_actuation(self, paused: bool, dry_run: bool, epoch: int) -> bool:
         with self.lock:
             return self.fsm.set_actuation(paused, dry_run, epoch)
+
+    @replicated  # type: ignore[untyped-decorator,misc,unused-ignore]
+    def apply_actuation_flags(self, paused: bool, dry_run: bool, epoch: int) -> bool:
+        with self.lock:
+            return self.fsm.apply_actuation_flags(paused, dry_run, epoch)
 
 
 @dataclass
@@ -190,6 +197,10 @@ class ShardRaft(RaftBridge[HAState]):
         return bool(await self.call(self._ha.set_actuation, paused, dry_run, epoch, timeout=timeout,
                                     what="set_actuation"))
 
+    async def apply_actuation_flags(self, paused: bool, dry_run: bool, epoch: int, timeout: float = 10.0) -> bool:
+        return bool(await self.call(self._ha.apply_actuation_flags, paused, dry_run, epoch, timeout=timeout,
+                                    what="apply_actuation_flags"))
+
 
 class LocalLog:
     """The state machine applied in process: always the leader of a group of one, never durable.
@@ -247,6 +258,9 @@ class LocalLog:
 
     async def set_actuation(self, paused: bool, dry_run: bool, epoch: int, timeout: float = 10.0) -> bool:
         return self.state.set_actuation(paused, dry_run, epoch)
+
+    async def apply_actuation_flags(self, paused: bool, dry_run: bool, epoch: int, timeout: float = 10.0) -> bool:
+        return self.state.apply_actuation_flags(paused, dry_run, epoch)
 
     def destroy(self) -> None:
         pass

@@ -19,6 +19,7 @@ from structlog.typing import FilteringBoundLogger
 
 from bigfleet.dashboard import DashboardServer
 from bigfleet.observability import get_logger, new_registry, start_metrics_server
+from bigfleet.raft import timing_problems
 from bigfleet.security.limits import SESSION_STREAM_LIMIT
 from bigfleet.security.roles import SHARD_POLICY, RoleInterceptor
 from bigfleet.security.tls import TLSConfig, add_port
@@ -88,7 +89,16 @@ async def serve(settings: ShardSettings, tls: TLSConfig | None = None) -> int:
     )
     # Bind the Raft port on the named address only (as the coordinator does): pysyncobj would
     # otherwise listen on every interface, and a group of one must stay on loopback.
-    raft = ShardRaft(ShardRaftConfig(bind, peers, data_dir, password, bind_address=bind))
+    raft_cfg = ShardRaftConfig(bind, peers, data_dir, password, bind_address=bind)
+    if peers:
+        raft_cfg.election_min, raft_cfg.election_max = settings.raft_election_min, settings.raft_election_max
+        raft_cfg.leader_fallback = settings.raft_leader_fallback
+    problems = timing_problems(raft_cfg, {"election_min": "--raft-election-min", "election_max": "--raft-election-max",
+                                          "leader_fallback": "--raft-leader-fallback"})
+    if problems:
+        log.error("invalid Raft timings: " + "; ".join(problems))
+        return 2
+    raft = ShardRaft(raft_cfg)
     coord_client = None
     heartbeats = None
     if settings.coordinator:

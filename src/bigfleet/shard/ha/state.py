@@ -11,7 +11,7 @@ issued under, so a deposed leader's late write never lands.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from bigfleet.budget import Disruption
 from bigfleet.decision.types import EngineState
@@ -79,6 +79,9 @@ class HAState:
     replaces: int = 0
     ledger: Ledger = field(default_factory=Ledger)
     actuation: Actuation | None = None
+    # the --paused/--dry-run flags the last leader started with: a change of flags (a new Helm
+    # value) wins over an older runtime switch; unchanged flags leave the runtime switch in force
+    actuation_flags: Actuation | None = None
     # the empty-roll-up guard: collapsing roll-ups held so far per cluster (its baseline is the
     # row count of the cluster's replicated roll-up)
     guard_held: dict[str, tuple[int, int]] = field(default_factory=dict)  # cluster -> (held, since ns)
@@ -198,12 +201,25 @@ class HAState:
         self.actuation = Actuation(paused, dry_run)
         return True
 
+    def apply_actuation_flags(self, paused: bool, dry_run: bool, epoch: int) -> bool:
+        """A new leader's flags: if they differ from the flags last seen, they are the newest word
+        and set the switch; if not, the runtime switch (if any) stays."""
+        if epoch != self.epoch:
+            return False
+        flags = Actuation(paused, dry_run)
+        if flags != self.actuation_flags:
+            self.actuation_flags = flags
+            self.actuation = flags
+        return True
+
+    def effective_actuation(self) -> Actuation:
+        return self.actuation or self.actuation_flags or Actuation(False, False)
+
     def carried(self) -> EngineState:
         """The engine state a new leader starts from, with every cluster that spoke marked."""
         return self.engine.with_first_rollups(self.first_rollup - self.engine.first_rollup)
 
     def copy(self) -> HAState:
         """A copy a new leader can read from without the apply lock (the big values are immutable)."""
-        return HAState(dict(self.rollups), set(self.first_rollup), self.engine, self.engine_version, self.epoch,
-                       self.claim_term, self.leader_node, self.leader_advertise, self.replaces, self.ledger.copy(),
-                       self.actuation, dict(self.guard_held), dict(self.disruptions))
+        return replace(self, rollups=dict(self.rollups), first_rollup=set(self.first_rollup),
+                       ledger=self.ledger.copy(), guard_held=dict(self.guard_held), disruptions=dict(self.disruptions))
