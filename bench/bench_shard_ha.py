@@ -41,10 +41,10 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bigfleet.process.procstat import proc_children, proc_cpu_seconds, tree_cpu_seconds
 from bigfleet.rpc import insecure_channel
 from bigfleet.scale import stats
 from bigfleet.testing import ManagedProcess, free_port, wait_for_health
-from bigfleet.testing.procstat import proc_children, proc_cpu_seconds, tree_cpu_seconds
 from bigfleet.v1alpha1 import capacity_pb2, shard_pb2, shard_pb2_grpc
 
 PASSWORD = "bench-shard-raft"
