@@ -27,7 +27,7 @@ def latest(op: FakeOperator) -> dict[str, shard_pb2.NeedVerdict]:
 
 
 async def test_need_verdicts_on_the_wire_and_registration_timeouts() -> None:
-    async with fleet(("--seed-count", "4", "--create-delay", "0.2", "--configure-delay", "0.2")) as (_p, _spy, shard):
+    async with fleet(("--seed-count", "4", "--create-delay", "0.2", "--configure-delay", "0.2")) as (_p, spy, shard):
         ok, bad = need("1"), need("2", zone="nowhere-1z")
         fp_ok, fp_bad = profile_from_proto(ok).fingerprint(), profile_from_proto(bad).fingerprint()
         async with FakeOperator(shard.addr, "c1") as op:
@@ -74,6 +74,10 @@ async def test_need_verdicts_on_the_wire_and_registration_timeouts() -> None:
                             "ok met by the replacement")
                 c = await shard.counts("c1")
                 assert c.by_state.get("MACHINE_STATE_FAILED") == 1
+                # Handed back to the provider: c1 was told, then Drain and Delete (the slot is free again).
+                await until(lambda: spy.per_machine("Delete").get(machine.machine_id) == 1, 40, "handed back")
+                assert spy.per_machine("Drain").get(machine.machine_id) == 1
+                assert any(machine.node_name in r.nodes or machine.machine_id in r.nodes for r in op2.reclaims())
                 # The report is idempotent.
                 await op2.send(shard_pb2.OperatorMessage(registration_timeout=shard_pb2.NodeRegistrationTimeout(
                     machine_id=machine.machine_id, node_name=machine.node_name, waited_seconds=900)))

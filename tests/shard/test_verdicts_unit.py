@@ -82,7 +82,7 @@ def record(cycle: int, verdicts: list[Verdict], rows: bool, wall_ns: int) -> Cyc
 def sender(view: MachineView, table: NeedsTable, reg: SessionRegistry, **kw: Any) -> NeedVerdictSender:
     failed: list[int] = []
     s = NeedVerdictSender(reg, view, lambda: table, set(), {}, ShardMetrics(new_registry()), 5,
-                          lambda: failed.append(1), lambda: 0.0, paced=False, **kw)
+                          lambda *_: failed.append(1), lambda: 0.0, paced=False, **kw)
     return s
 
 
@@ -183,8 +183,8 @@ def test_registration_timeout_fails_only_the_reporting_clusters_configured_machi
     view.inflight["m4"] = "drain"
     reg, _ = _registry("c1")
     metrics = ShardMetrics(new_registry())
-    triggered: list[int] = []
-    s = NeedVerdictSender(reg, view, NeedsTable, set(), {}, metrics, 5, lambda: triggered.append(1),
+    triggered: list[tuple[str, ...]] = []
+    s = NeedVerdictSender(reg, view, NeedsTable, set(), {}, metrics, 5, lambda *a: triggered.append(a),
                           lambda: 0.0, paced=False)
 
     def report(cluster: str, mid: str) -> str:
@@ -200,7 +200,7 @@ def test_registration_timeout_fails_only_the_reporting_clusters_configured_machi
     pb = view.get("m1")
     assert pb is not None and pb.state == S.MACHINE_STATE_FAILED
     assert pb.last_error == "RegistrationTimeout: node node-m1 did not register within 900s"
-    assert "m1" in view.failed_local and triggered == [1]
+    assert "m1" in view.failed_local and triggered == [("m1", "c1", "node-m1")]  # (replace and hand back)
     # A provider record saying Configured does not bring it back; a repeated report is a no-op.
     view.observe(machine("m1", S.MACHINE_STATE_CONFIGURED, "c1", "fp"))
     assert view.get("m1").state == S.MACHINE_STATE_FAILED  # type: ignore[union-attr]

@@ -36,6 +36,7 @@ from bigfleet.shard.intake import RollupIntake
 from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.shard.provider_client import ProviderClient
 from bigfleet.shard.reconcile import Reconciler
+from bigfleet.shard.retire import Retirer
 from bigfleet.shard.runtime import HeapSettler, watch_loop_lag
 from bigfleet.shard.sessions import OperatorSession, RollupOutcome, SessionRegistry, SessionServicer
 from bigfleet.shard.store import ReplicatedStore
@@ -178,7 +179,8 @@ class ShardDaemon:
         # Per-need verdicts to operators after each cycle; their node-registration reports (verdicts.py).
         self.verdicts = NeedVerdictSender(self.sessions, self.view, lambda: self.store.table, self.frozen_clusters,
                                           self.executor.bootstrap_failures, metrics,
-                                          config.engine.escalation_after_cycles, self.trigger, config.clock,
+                                          config.engine.escalation_after_cycles, self._registration_failed,
+                                          config.clock,
                                           paced=not config.compute_inline)
         self.intake = RollupIntake(self.store, self.log, config.epoch, config.guard, metrics, config.wall_ns,
                                    self._demand_changed, snap, config.cycle_interval)
@@ -194,6 +196,8 @@ class ShardDaemon:
                                      chunked=not config.compute_inline)
         self.engine: EngineBackend = engine_backend(config.mode, metrics, config.engine_timeout, config.engine_nice)
         self.heap = HeapSettler(metrics, config.clock, config.heap_settle_interval)
+        self.retirer = Retirer(self.provider, self.executor, metrics, config.clock,
+                               timeout=3 * config.executor.execute_timeout)
         self.servicer = SessionServicer(self.sessions, self.handle_rollup, self._ack_info, self.resync,
                                         refuse_cluster=self.handoff.refusal, hold_cluster=self.handoff.hold,
                                         on_registration_timeout=self.verdicts.registration_timeout)
@@ -236,6 +240,11 @@ class ShardDaemon:
 
     def trigger(self) -> None:
         self._trigger.set()
+
+    def _registration_failed(self, machine_id: str, cluster_id: str, node: str) -> None:
+        """A machine failed for a registration timeout: decide its replacement now, hand it back."""
+        self.trigger()
+        self.retirer.retire(machine_id, cluster_id, node)
 
     def _demand_changed(self, cluster_id: str) -> None:
         self.hints.changed(cluster_id)
@@ -398,6 +407,7 @@ class ShardDaemon:
         if not self.config.compute_inline:
             self.heap.close()
         await self.engine.stop()
+        await self.retirer.stop()
         await self.executor.drain_all(drain_timeout)
         await self.provider.close()
 

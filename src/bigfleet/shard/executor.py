@@ -658,6 +658,11 @@ class Executor:
             self.view.failed_local.add(machine_id)
         self._outcome(kind, "success" if pb.state == S.MACHINE_STATE_IDLE else "transition_error")
 
+    async def tell_operator(self, machine_id: str, cluster: str, node: str, grace: int,
+                            preemptor_priority: int) -> str:
+        """The reclaim rule on its own (see _reclaim_instruction), for flows outside the executor."""
+        return await self._reclaim_instruction(machine_id, cluster, node, grace, preemptor_priority)
+
     async def _reclaim_instruction(self, machine_id: str, cluster: str, node: str, grace: int,
                                    preemptor_priority: int) -> str:
         """Tell the cluster's operator; "" when the provider Drain may go ahead, else why not.

@@ -100,6 +100,11 @@ class ShardMetrics:
             "bigfleet_shard_ha_rollups_not_committed", "Roll-ups refused: not committed to the replicated state",
             registry=r,
         )
+        # Machines handed back after their Node never registered (shard/retire.py).
+        self.retirements = Counter(
+            "bigfleet_shard_retirements_total", "Machines failed for a registration timeout and handed back",
+            ["outcome"], registry=r,
+        )
         # Disruption budgets (shard/budgets.py).
         self.disruptions = Counter(
             "bigfleet_shard_disruptions_total", "Disruptions dispatched within a budget that covers them",

@@ -103,7 +103,7 @@ class NeedVerdictSender:
 
     def __init__(self, sessions: SessionRegistry, view: MachineView, table: Callable[[], NeedsTable],
                  frozen_clusters: set[str], bootstrap_failures: Mapping[RowKey, str], metrics: ShardMetrics,
-                 escalation_after_cycles: int, on_failed: Callable[[], None], clock: Callable[[], float],
+                 escalation_after_cycles: int, on_failed: Callable[[str, str, str], None], clock: Callable[[], float],
                  paced: bool, interval: float = 1.0, sweep: float = 300.0, refresh: float = 60.0,
                  rate: float = 1000.0) -> None:
         self.sessions = sessions
@@ -398,6 +398,7 @@ class NeedVerdictSender:
             return "in_flight"
         waited = max(0, int(r.waited_seconds))
         view.mark_failed(mid, f"RegistrationTimeout: node {node} did not register within {waited}s")
-        slog.warning("node did not register: machine failed and will be replaced", waited_seconds=waited)
-        self.on_failed()
+        slog.warning("node did not register: machine failed, replaced, and handed back to the provider",
+                     waited_seconds=waited)
+        self.on_failed(mid, cluster_id, node)
         return "failed"
