@@ -45,9 +45,8 @@ class RaftSettings:
     # Batched appends put many commands in one AppendEntries: higher latency for a lone write (up to
     # one heartbeat period), far higher throughput when writes arrive together.
     batch: bool = False
-    #: pysyncobj drops a peer connection silent this long; None: CONNECTION_TIMEOUT, or the election
-    #: maximum when that is longer (pysyncobj requires election timeouts within it)
-    connection_timeout: float | None = None
+    #: pysyncobj drops a peer connection silent this long (election timeouts must fit within it)
+    connection_timeout: float = CONNECTION_TIMEOUT
     #: how long pysyncobj's tick thread waits for network events; a command submitted from another
     #: thread is picked up on the next tick, so this bounds a lone write's latency too
     tick_period: float = 0.01
@@ -133,8 +132,7 @@ def _conf(s: RaftSettings, journal_file: str, dump_file: str) -> SyncObjConf:
         useFork=False,
         leaderFallbackTimeout=s.leader_fallback,
         connectionRetryTime=0.5,
-        connectionTimeout=s.connection_timeout if s.connection_timeout is not None
-        else max(CONNECTION_TIMEOUT, s.election_max),
+        connectionTimeout=s.connection_timeout,
         raftMinTimeout=s.election_min,
         raftMaxTimeout=s.election_max,
         appendEntriesPeriod=s.heartbeat_period,

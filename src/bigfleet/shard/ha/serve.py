@@ -93,6 +93,8 @@ async def serve(settings: ShardSettings, tls: TLSConfig | None = None) -> int:
     if peers:
         raft_cfg.election_min, raft_cfg.election_max = settings.raft_election_min, settings.raft_election_max
         raft_cfg.leader_fallback = settings.raft_leader_fallback
+        # (pysyncobj drops a peer silent this long; the longer elections need a longer allowance)
+        raft_cfg.connection_timeout = max(raft_cfg.connection_timeout, settings.raft_election_max)
     problems = timing_problems(raft_cfg, {"election_min": "--raft-election-min", "election_max": "--raft-election-max",
                                           "leader_fallback": "--raft-leader-fallback"})
     if problems:
