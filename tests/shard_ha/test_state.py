@@ -9,7 +9,7 @@ from pathlib import Path
 from bigfleet.decision.types import EngineState
 from bigfleet.shard.ha.controller import read_epoch, store_epoch
 from bigfleet.shard.ha.node import LocalLog
-from bigfleet.shard.ha.state import HAState
+from bigfleet.shard.ha.state import Actuation, HAState
 from bigfleet.shard.store import ReplicatedStore
 from bigfleet.v1alpha1 import capacity_pb2
 
@@ -122,12 +122,12 @@ def test_changed_flags_set_the_switch_unchanged_flags_keep_a_runtime_one() -> No
     s = HAState()
     e = s.claim(1, "a", "A")
     assert s.apply_actuation_flags(True, False, e)  # started with --paused
-    assert s.effective_actuation().paused
+    assert s.actuation is not None and s.actuation.paused
     assert s.set_actuation(False, False, e)  # bigfleetctl resume
     e2 = s.claim(2, "b", "B")
     assert s.apply_actuation_flags(True, False, e2)  # a failover, same flags: the resume stays
-    assert not s.effective_actuation().paused
+    assert s.actuation is not None and not s.actuation.paused
     e3 = s.claim(3, "a", "A")
     assert s.apply_actuation_flags(False, True, e3)  # a rollout with new flags: they win
-    assert s.effective_actuation().dry_run and not s.effective_actuation().paused
+    assert s.actuation == Actuation(False, True)
     assert not s.apply_actuation_flags(True, True, e)  # a deposed leader's epoch

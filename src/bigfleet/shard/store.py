@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Protocol
 
 from bigfleet.decision.types import EngineState
 from bigfleet.needs import Need, NeedsTable, ValidationError
@@ -20,23 +19,6 @@ from bigfleet.v1alpha1 import capacity_pb2
 from bigfleet.wire.needs import rollup_from_proto
 
 log = get_logger("bigfleet.shard.store")
-
-
-class DemandStore(Protocol):
-    @property
-    def table(self) -> NeedsTable: ...
-
-    def apply_rollup(self, cluster_id: str, needs: Sequence[Need], now_unix_nanos: int) -> bool:
-        """Replace ``cluster_id``'s demand; True when the table changed."""
-        ...
-
-    def mark_first_rollup(self, cluster_id: str) -> None:
-        """Record that the cluster has spoken since this shard (leader) started (the Phase 3 gate)."""
-        ...
-
-    def engine_state(self) -> EngineState: ...
-
-    def save_engine_state(self, state: EngineState) -> None: ...
 
 
 class LocalDemandStore:

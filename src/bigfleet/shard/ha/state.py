@@ -212,8 +212,6 @@ class HAState:
             self.actuation = flags
         return True
 
-    def effective_actuation(self) -> Actuation:
-        return self.actuation or self.actuation_flags or Actuation(False, False)
 
     def carried(self) -> EngineState:
         """The engine state a new leader starts from, with every cluster that spoke marked."""
