@@ -38,6 +38,7 @@ class FakeOperator:
     frames: list[shard_pb2.ShardMessage] = field(default_factory=list)
     status: grpc.StatusCode | None = None
     details: str = ""
+    trailers: tuple[tuple[str, str], ...] = ()  # the trailing metadata the reader saw the call end with
     on_frame: Callable[[shard_pb2.ShardMessage], None] | None = None
     tls: Any = None  # a bigfleet.security.tls.TLSConfig for mTLS
 
@@ -98,6 +99,7 @@ class FakeOperator:
         except grpc.aio.AioRpcError as exc:
             self.status = exc.code()
             self.details = exc.details() or ""
+            self.trailers = tuple((str(k), str(v)) for k, v in exc.trailing_metadata() or ())
 
     # -- views over what arrived --------------------------------------------------------------
 

@@ -359,6 +359,14 @@ class RoutedOperator:
         call = getattr(op, "_call", None)
         if call is None:
             return "-", ""
+        # The reader's status first: a write racing the server's refusal can end the call locally
+        # with INTERNAL, losing the refusal's trailers, while the reader still saw them.
+        reader = getattr(op, "_reader", None)
+        if reader is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(asyncio.shield(reader), 1.0)
+        if op.status is not None and op.status != grpc.StatusCode.INTERNAL:
+            return op.status.name, dict(op.trailers).get(REDIRECT, "")
         try:
             code = await asyncio.wait_for(call.code(), 1.0)
             md = await asyncio.wait_for(call.trailing_metadata(), 1.0)
@@ -371,6 +379,10 @@ class RoutedOperator:
         sent_version, sent_at = -1, 0.0
         pending_since: float | None = None  # first unacknowledged send
         acks_then = 0
+        # Like the real operator: nothing is written before the Hello is answered, so a refusal
+        # arrives whole (with its redirect) rather than racing a roll-up write.
+        while not op.acks("hello") and op.status is None and not self._stop.is_set():
+            await asyncio.sleep(0.02)
         while not self._stop.is_set():
             if op.status is not None:
                 return "ended"

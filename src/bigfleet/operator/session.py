@@ -258,6 +258,12 @@ class SessionClient:
             try:
                 await call.write(shard_pb2.OperatorMessage(
                     hello=shard_pb2.Hello(cluster_id=self.cluster_id, protocol_version=PROTOCOL_VERSION)))
+                # Nothing more is written until the shard answers the Hello: a refusal (a follower's
+                # redirect, a wrong shard, a handoff) then reaches us whole, where a write racing
+                # it would end the call locally as INTERNAL and lose the redirect trailer.
+                first = await call.read()
+                if first is grpc.aio.EOF:
+                    raise SessionEnded("shard closed the stream before answering Hello")
                 self._outbox.clear()  # answers meant for an earlier session are stale
                 self._rollup = None
                 self.sessions += 1
@@ -265,6 +271,7 @@ class SessionClient:
                 self.connected.set()
                 self.metrics.session_connected.set(1)
                 log.info("session open", shard=target, cluster=self.cluster_id)
+                self.dispatch(first)
                 tasks = [asyncio.create_task(self._send_loop(call)), asyncio.create_task(self._recv_loop(call)),
                          asyncio.create_task(self._rollup_loop())]
                 try:

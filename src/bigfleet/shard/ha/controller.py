@@ -14,6 +14,7 @@ someone newer acted), stops its daemon and waits for a later term.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import time
@@ -331,6 +332,10 @@ class HASessionServicer(shard_pb2_grpc.ShardServicer):
     async def Session(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
         d = self.ctrl.daemon
         if d is None:
+            # Read the Hello before refusing: an operator that waits for the answer to its Hello
+            # then gets the redirect whole, not a local INTERNAL from a write racing our close.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(context.read(), 5.0)
             await self.ctrl.refuse(context)
             return
         await d.servicer.Session(request_iterator, context)
