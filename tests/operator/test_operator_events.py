@@ -183,3 +183,24 @@ def test_node_registration_pure_parts() -> None:
     idx.apply("ADDED", ready)
     assert due_timeouts(ups, idx, 900, t0 + 901) == []
     assert parse_duration("15m") == 900 and parse_duration("90") == 90 and parse_duration("1.5h") == 5400
+
+
+def test_registered_but_never_ready_times_out() -> None:
+    """A Node that joined but stays NotReady is reported once the ready timeout passed; a Ready Node,
+    a vanished Node, or a ready timeout of 0 is not."""
+    idx = NodeIndex()
+    not_ready = {"metadata": {"name": "n1"}, "spec": {"providerID": "fake://h1"},
+                 "status": {"conditions": [{"type": "Ready", "status": "False"}]}}
+    idx.apply("ADDED", not_ready)
+    ups = [{"metadata": {"name": "un-m1"}, "status": {"phase": "Registered", "machineID": "m1",
+                                                      "configuredTime": "2024-01-01T00:00:00Z",
+                                                      "providerID": "fake://h1"}}]
+    t0 = 1704067200.0
+    assert due_timeouts(ups, idx, 900, t0 + 5000) == []  # no ready timeout: never
+    assert due_timeouts(ups, idx, 900, t0 + 1799, ready_timeout=1800) == []
+    due = due_timeouts(ups, idx, 900, t0 + 1801, ready_timeout=1800)
+    assert [(d.machine_id, d.node_name, d.waited_seconds, d.registered) for d in due] == [("m1", "n1", 1801, True)]
+    idx.apply("MODIFIED", {**not_ready, "status": {"conditions": [{"type": "Ready", "status": "True"}]}})
+    assert due_timeouts(ups, idx, 900, t0 + 1801, ready_timeout=1800) == []
+    idx.apply("DELETED", not_ready)
+    assert due_timeouts(ups, idx, 900, t0 + 1801, ready_timeout=1800) == []

@@ -197,3 +197,27 @@ async def test_upcoming_node_waits_for_its_node_and_a_node_that_never_registers_
         await asyncio.sleep(2.5)
         assert len(shard.registration_timeouts) == n
         assert op.metrics.registration_timeouts._value.get() == 1
+
+
+async def test_a_node_that_registers_but_never_turns_ready_is_reported(
+        kube: KubeTestServer, api: Any, shard: FakeShard) -> None:
+    s = kube.store
+    op = make_op(api, shard, node_readiness="node", node_registration_timeout=60.0, node_ready_timeout=1.0)
+
+    def phase(name: str) -> str:
+        return str(((s.find("upcomingnodes", name) or {}).get("status") or {}).get("phase"))
+
+    async with running(op):
+        await eventually(lambda: "c1" in shard.conns, what="session")
+        shard.send("c1", shard_pb2.ShardMessage(node_state_update=shard_pb2.NodeStateUpdate(
+            supersedes_key="node:m-3", machine_id="m-3", cluster_id="c1",
+            state=provider_pb2.MACHINE_STATE_CONFIGURED, node_name="node-3", provider_id="fake://m-3",
+            resources=provider_pb2.Resources(resources={"cpu": "4"}))))
+        s.put({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-3"},
+               "spec": {"providerID": "fake://m-3"}, "status": {"conditions": [{"type": "Ready", "status": "False"}]}})
+        await eventually(lambda: phase("un-m-3") == "Registered", what="Registered")
+        await eventually(lambda: shard.registration_timeouts, timeout=10, what="a ready-timeout report")
+        r = shard.registration_timeouts[0]
+        assert r.machine_id == "m-3" and r.node_name == "node-3" and r.waited_seconds >= 1
+        await eventually(lambda: events(kube, "ReadyTimeout", "un-m-3"), what="ReadyTimeout Event")
+        assert "was not Ready within 1s" in events(kube, "ReadyTimeout", "un-m-3")[0]["message"]

@@ -32,7 +32,7 @@ from bigfleet.operator.handlers import ClusterWriter, rfc3339
 from bigfleet.operator.kube import MERGE_PATCH, Informer, status_code, with_retries
 from bigfleet.operator.leader import LeaseElector
 from bigfleet.operator.metrics import OperatorMetrics
-from bigfleet.operator.nodes import PHASE_JOINING, NodeIndex, due_timeouts
+from bigfleet.operator.nodes import PHASE_JOINING, PHASE_REGISTERED, NodeIndex, due_timeouts
 from bigfleet.operator.rollup import MapCache, build_rollup, demand_fingerprint
 from bigfleet.operator.session import Backoff, Resolver, SessionClient, StaticResolver
 from bigfleet.operator.upcoming import upcoming_name
@@ -71,6 +71,8 @@ class OperatorConfig:
     node_readiness: str = "auto"
     # Seconds a Configured machine may go without a registered Node before it is reported (0: never).
     node_registration_timeout: float = 900.0
+    # Seconds after configuration a registered Node may stay NotReady before it is reported (0: never).
+    node_ready_timeout: float = 1800.0
     # Values the built-in kubeadm bootstrap template needs (bootstrap.KUBEADM_TEMPLATE).
     api_server_endpoint: str = ""
     ca_cert_hash: str = ""
@@ -444,8 +446,9 @@ class Operator:
 
     async def _registration_loop(self) -> None:
         timeout = self.cfg.node_registration_timeout
-        every = min(30.0, max(0.5, timeout / 4))
-        resend = max(every, min(60.0, timeout))
+        shortest = min(t for t in (timeout, self.cfg.node_ready_timeout) if t > 0)
+        every = min(30.0, max(0.5, shortest / 4))
+        resend = max(every, min(60.0, shortest))
         while True:
             await asyncio.sleep(every)
             if self.nodes is None or not self.nodes.synced.is_set() or not self.upcoming.synced.is_set():
@@ -458,7 +461,7 @@ class Operator:
     def check_registrations(self, now: float, timeout: float, resend: float) -> int:
         """Report every machine Configured for longer than ``timeout`` without a Node (again after
         ``resend`` seconds while it stays so: a report may be lost with its session)."""
-        due = due_timeouts(self.upcoming.items(), self.node_index, timeout, now)
+        due = due_timeouts(self.upcoming.items(), self.node_index, timeout, now, self.cfg.node_ready_timeout)
         sent = 0
         for t in due:
             if now - self._reported.get(t.machine_id, float("-inf")) < resend:
@@ -474,15 +477,18 @@ class Operator:
             if not first:
                 continue  # (a repeat of a report the shard may not have had: no second Event)
             self.metrics.registration_timeouts.inc()
-            log.warning("node did not register in time; reported to the shard", machine=t.machine_id,
+            what = "Ready" if t.registered else "registered"
+            limit = self.cfg.node_ready_timeout if t.registered else timeout
+            log.warning(f"node not {what} in time; reported to the shard", machine=t.machine_id,
                         node=t.node_name, waited_seconds=t.waited_seconds)
             self.events.event(
-                ObjectRef(API_VERSION, "UpcomingNode", t.upcoming_name), WARNING, "RegistrationTimeout",
-                f"node {t.node_name or '?'} of machine {t.machine_id} did not register within "
-                f"{int(timeout)}s of the machine being configured (waited {t.waited_seconds}s): the shard stops "
+                ObjectRef(API_VERSION, "UpcomingNode", t.upcoming_name), WARNING,
+                "ReadyTimeout" if t.registered else "RegistrationTimeout",
+                f"node {t.node_name or '?'} of machine {t.machine_id} was not {what} within "
+                f"{int(limit)}s of the machine being configured (waited {t.waited_seconds}s): the shard stops "
                 f"counting it, marks it Failed and provisions a replacement")
         live = {str(((o.get("status") or {}).get("machineID")) or "") for o in self.upcoming.items()
-                if ((o.get("status") or {}).get("phase")) == PHASE_JOINING}
+                if ((o.get("status") or {}).get("phase")) in (PHASE_JOINING, PHASE_REGISTERED)}
         for mid in [m for m in self._reported if m not in live]:
             del self._reported[mid]
         return sent
@@ -491,7 +497,7 @@ class Operator:
         self.metrics.is_leader.set(1)
         try:
             loops = [self.session.run(), self._change_loop(), self._verdict_loop()]
-            if self.tracks_nodes and self.cfg.node_registration_timeout > 0:
+            if self.tracks_nodes and (self.cfg.node_registration_timeout > 0 or self.cfg.node_ready_timeout > 0):
                 loops.append(self._registration_loop())
             await asyncio.gather(*loops)
         finally:

@@ -59,6 +59,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--node-registration-timeout", default="15m",
                     help="how long a Configured machine may go without a registered Node before it is reported "
                          "to the shard and replaced (e.g. 900, 900s, 15m; 0 = never)")
+    ap.add_argument("--node-ready-timeout", default="30m",
+                    help="how long after configuration a registered Node may stay NotReady before the machine is "
+                         "reported to the shard and replaced (e.g. 1800, 30m; 0 = never)")
     ap.add_argument("--api-server-endpoint", default="",
                     help="HOST:PORT new machines join (the built-in kubeadm bootstrap); default: kube-public/"
                          "cluster-info, else the kubeconfig's server unless it is the in-cluster Service")
@@ -156,6 +159,7 @@ async def run(args: argparse.Namespace, tls: TLSConfig | None = None) -> int:
         disruption_budgets=tuple(args.disruption_budget),
         node_readiness=args.node_readiness,
         node_registration_timeout=args.node_registration_timeout_seconds,
+        node_ready_timeout=args.node_ready_timeout_seconds,
         api_server_endpoint=endpoint,
         ca_cert_hash=ca_hash,
     )
@@ -189,6 +193,10 @@ def main(argv: list[str]) -> int:
         args.node_registration_timeout_seconds = parse_duration(args.node_registration_timeout)
     except ValueError:
         ap.error(f"--node-registration-timeout: not a duration: {args.node_registration_timeout!r}")
+    try:
+        args.node_ready_timeout_seconds = parse_duration(args.node_ready_timeout)
+    except ValueError:
+        ap.error(f"--node-ready-timeout: not a duration: {args.node_ready_timeout!r}")
     tls = tls_from_args_or_exit(ap, args)
     configure_logging(args.log_level, args.log_format, component="operator")
     return asyncio.run(run(args, tls))

@@ -9,7 +9,9 @@ name (``NodeStateUpdate.node_name``) or by ``spec.providerID`` (``provider_id``)
 * a Ready Node: ``Ready``.
 
 A machine that stays Configured without a Node for ``--node-registration-timeout`` (default 15 min,
-measured from ``status.configuredTime`` so a restarted operator keeps the clock) is reported to the
+measured from ``status.configuredTime`` so a restarted operator keeps the clock), or whose Node
+registered but is still not Ready ``--node-ready-timeout`` after it was configured (default 30 min:
+a kubelet that joined but never gets its network or CSI up serves nothing either), is reported to the
 shard (``NodeRegistrationTimeout``), which marks it FAILED and provisions a replacement, and gets a
 ``RegistrationTimeout`` Event. Reports repeat (every ``report_every``) until the shard's FAILED frame
 arrives, so a report lost with a session is sent again.
@@ -92,30 +94,38 @@ def parse_time(text: str) -> float | None:
 
 @dataclass(frozen=True)
 class Timeout:
-    """A Configured machine whose Node did not register in time."""
+    """A Configured machine whose Node did not register, or did not become Ready, in time."""
 
     upcoming_name: str
     machine_id: str
     node_name: str
     waited_seconds: int
+    registered: bool = False  # the Node registered but never became Ready
 
 
-def due_timeouts(upcoming: Iterable[Mapping[str, Any]], index: NodeIndex, timeout: float, now: float
-                 ) -> list[Timeout]:
-    """UpcomingNodes ``Joining`` for longer than ``timeout`` seconds whose Node is still absent."""
+def due_timeouts(upcoming: Iterable[Mapping[str, Any]], index: NodeIndex, timeout: float, now: float,
+                 ready_timeout: float = 0.0) -> list[Timeout]:
+    """UpcomingNodes ``Joining`` for longer than ``timeout`` seconds whose Node is still absent, and
+    (``ready_timeout`` > 0) ``Registered`` ones configured longer than ``ready_timeout`` ago whose
+    Node is still not Ready."""
     out = []
     for obj in upcoming:
         st = obj.get("status") or {}
-        if st.get("phase") != PHASE_JOINING or not st.get("machineID"):
+        phase = st.get("phase")
+        if phase not in (PHASE_JOINING, PHASE_REGISTERED) or not st.get("machineID"):
             continue
+        limit = timeout if phase == PHASE_JOINING else ready_timeout
         since = parse_time(str(st.get("configuredTime") or ""))
-        if since is None or now - since < timeout:
+        if limit <= 0 or since is None or now - since < limit:
             continue
         node = str(((st.get("nodeRef") or {}).get("name")) or "")
-        if index.find(node, str(st.get("providerID") or "")) is not None:
+        found = index.find(node, str(st.get("providerID") or ""))
+        if phase == PHASE_JOINING and found is not None:
             continue  # registered meanwhile; the next frame or Node event moves the phase on
-        out.append(Timeout(str((obj.get("metadata") or {}).get("name") or ""), str(st["machineID"]), node,
-                           int(now - since)))
+        if phase == PHASE_REGISTERED and (found is None or node_ready(found)):
+            continue  # Ready (or gone) meanwhile: the phase moves on with the Node event
+        out.append(Timeout(str((obj.get("metadata") or {}).get("name") or ""), str(st["machineID"]),
+                           node or node_name_of(found or {}), int(now - since), phase == PHASE_REGISTERED))
     return out
 
 
