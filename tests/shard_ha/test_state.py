@@ -131,3 +131,34 @@ def test_changed_flags_set_the_switch_unchanged_flags_keep_a_runtime_one() -> No
     assert s.apply_actuation_flags(False, True, e3)  # a rollout with new flags: they win
     assert s.actuation == Actuation(False, True)
     assert not s.apply_actuation_flags(True, True, e)  # a deposed leader's epoch
+
+
+def test_replicated_command_numbers_are_stable() -> None:
+    """pysyncobj numbers replicated methods in sorted-name order and journals hold the numbers: the
+    commands of earlier releases keep their numbers, new ones come after them."""
+    from bigfleet.shard.ha.node import _Replicated
+
+    r = _Replicated()
+    names = sorted(m for m in dir(r) if getattr(getattr(r, m), "replicated", False)
+                   and m != getattr(getattr(r, m), "origName"))
+    released = ["adopt", "apply_actuation_flags", "claim", "hold_rollup", "record_disruptions", "release_cluster",
+                "release_machines", "replace", "save_engine", "set_actuation", "track_retiring"]
+    assert names[:len(released)] == [f"{n}_v0" for n in released], names
+
+
+def test_retiring_is_tracked_and_guarded_by_epoch() -> None:
+    from bigfleet.shard.ha.state import Retiring
+
+    s = HAState(epoch=3)
+    entry = Retiring("c1", "node-1", "RegistrationTimeout: node node-1 did not register within 900s", 5)
+    assert not s.track_retiring("m1", entry, epoch=2)
+    assert s.track_retiring("m1", entry, epoch=3) and s.copy().retiring == {"m1": entry}
+    assert s.track_retiring("m1", None, epoch=3) and s.retiring == {}
+
+
+def test_a_snapshot_from_an_earlier_release_restores_with_defaults() -> None:
+    s = HAState(epoch=4)
+    s.track_retiring("m1", None, epoch=4)
+    del s.__dict__["retiring"]  # (as pickled by a release without the field)
+    back = pickle.loads(pickle.dumps(s))
+    assert back.epoch == 4 and back.retiring == {}

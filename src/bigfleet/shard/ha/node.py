@@ -21,7 +21,7 @@ from pysyncobj import replicated
 from bigfleet.budget import Disruption
 from bigfleet.decision.types import EngineState
 from bigfleet.raft import LockedConsumer, RaftBridge, RaftError, RaftSettings
-from bigfleet.shard.ha.state import HAState, Ledger
+from bigfleet.shard.ha.state import HAState, Ledger, Retiring
 
 __all__ = ["DUMP_FILE", "JOURNAL_FILE", "LocalLog", "RaftError", "ShardLog", "ShardRaft", "ShardRaftConfig"]
 
@@ -72,10 +72,17 @@ class ShardLog(Protocol):
 
     async def apply_actuation_flags(self, paused: bool, dry_run: bool, epoch: int, timeout: float = 10.0) -> bool: ...
 
+    async def track_retiring(self, machine_id: str, entry: Retiring | None, epoch: int,
+                             timeout: float = 10.0) -> bool: ...
+
     def destroy(self) -> None: ...
 
 
 class _Replicated(LockedConsumer[HAState]):
+    """The replicated commands. pysyncobj numbers them by name, in sorted order, and journals hold
+    the numbers: a new command's name must sort after every existing one (tests/shard_ha pins the
+    order), or a journal written by the previous release replays into the wrong methods."""
+
     def __init__(self) -> None:
         super().__init__(HAState())
 
@@ -129,6 +136,11 @@ class _Replicated(LockedConsumer[HAState]):
     def apply_actuation_flags(self, paused: bool, dry_run: bool, epoch: int) -> bool:
         with self.lock:
             return self.fsm.apply_actuation_flags(paused, dry_run, epoch)
+
+    @replicated  # type: ignore[untyped-decorator,misc,unused-ignore]
+    def track_retiring(self, machine_id: str, entry: Retiring | None, epoch: int) -> bool:
+        with self.lock:
+            return self.fsm.track_retiring(machine_id, entry, epoch)
 
 
 @dataclass
@@ -201,6 +213,11 @@ class ShardRaft(RaftBridge[HAState]):
         return bool(await self.call(self._ha.apply_actuation_flags, paused, dry_run, epoch, timeout=timeout,
                                     what="apply_actuation_flags"))
 
+    async def track_retiring(self, machine_id: str, entry: Retiring | None, epoch: int,
+                             timeout: float = 10.0) -> bool:
+        return bool(await self.call(self._ha.track_retiring, machine_id, entry, epoch, timeout=timeout,
+                                    what="track_retiring"))
+
 
 class LocalLog:
     """The state machine applied in process: always the leader of a group of one, never durable.
@@ -264,3 +281,7 @@ class LocalLog:
 
     def destroy(self) -> None:
         pass
+
+    async def track_retiring(self, machine_id: str, entry: Retiring | None, epoch: int,
+                             timeout: float = 10.0) -> bool:
+        return self.state.track_retiring(machine_id, entry, epoch)

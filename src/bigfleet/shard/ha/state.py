@@ -59,6 +59,18 @@ class Ledger:
 
 
 @dataclass(frozen=True)
+class Retiring:
+    """A machine failed for a node-registration timeout whose hand-back (reclaim, drain, delete) is
+    under way: a new leader fails it again and finishes the hand-back instead of counting it as
+    healthy supply because the provider still says Configured."""
+
+    cluster: str
+    node: str
+    reason: str
+    since_unix_nanos: int
+
+
+@dataclass(frozen=True)
 class Actuation:
     """The runtime kill switch (ShardAdmin.SetActuation / bigfleetctl pause); None = never set."""
 
@@ -88,6 +100,8 @@ class HAState:
     # disruptions dispatched per cluster ("" = machines of no cluster, e.g. idle releases), newest
     # last: the disruption budgets' sliding windows hold across cycles, restarts and failovers
     disruptions: dict[str, tuple[Disruption, ...]] = field(default_factory=dict)
+    # machines being handed back after a node-registration timeout (shard/retire.py)
+    retiring: dict[str, Retiring] = field(default_factory=dict)
 
     def replace(self, cluster_id: str, data: bytes, now_unix_nanos: int, epoch: int) -> bool:
         """Store the cluster's newest roll-up; refused (False) from a leader whose epoch is stale."""
@@ -212,6 +226,20 @@ class HAState:
             self.actuation = flags
         return True
 
+    def __setstate__(self, state: dict[str, object]) -> None:
+        """A snapshot from an earlier release lacks the newer fields: they start at their defaults."""
+        self.__dict__.update(HAState().__dict__)
+        self.__dict__.update(state)
+
+    def track_retiring(self, machine_id: str, entry: Retiring | None, epoch: int) -> bool:
+        """A hand-back started (``entry``) or ended (None)."""
+        if epoch != self.epoch or not machine_id:
+            return False
+        if entry is None:
+            self.retiring.pop(machine_id, None)
+        else:
+            self.retiring[machine_id] = entry
+        return True
 
     def carried(self) -> EngineState:
         """The engine state a new leader starts from, with every cluster that spoke marked."""
@@ -220,4 +248,5 @@ class HAState:
     def copy(self) -> HAState:
         """A copy a new leader can read from without the apply lock (the big values are immutable)."""
         return replace(self, rollups=dict(self.rollups), first_rollup=set(self.first_rollup),
-                       ledger=self.ledger.copy(), guard_held=dict(self.guard_held), disruptions=dict(self.disruptions))
+                       ledger=self.ledger.copy(), guard_held=dict(self.guard_held), disruptions=dict(self.disruptions),
+                       retiring=dict(self.retiring))
