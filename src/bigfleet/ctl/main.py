@@ -38,9 +38,10 @@ COMMANDS = [
     ("shortfalls", "show unmet demand per shard"),
     ("pause", "pause a shard's actuation (`pause --shard-id ID`)"),
     ("resume", "resume a shard's actuation (`resume --shard-id ID`)"),
+    ("whatif", "would these needs fit now, and how? (`whatif -f request.yaml --cluster ID`; changes nothing)"),
     ("certs", "make a CA and per-role certificates for local use"),
 ]
-SHARD_VERBS = {"needs", "inventory", "shortfalls", "pause", "resume"}
+SHARD_VERBS = {"needs", "inventory", "shortfalls", "pause", "resume", "whatif"}
 
 
 class CtlError(Exception):

@@ -47,6 +47,10 @@ def add_args(name: str, sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--limit", type=int, default=0)
     elif name in ("pause", "resume"):
         sp.add_argument("--reason", default="", help="free text for the shard's log")
+    elif name == "whatif":
+        from bigfleet.ctl.whatif import add_args as whatif_args
+
+        whatif_args(sp)
 
 
 def _short(state: str) -> str:
@@ -252,4 +256,8 @@ async def run(verb: str, coordinator: Any, args: argparse.Namespace, tls: Any, e
         return await ctl.shortfalls()
     if verb in ("pause", "resume"):
         return await ctl.set_paused(verb == "pause")
+    if verb == "whatif":
+        from bigfleet.ctl.whatif import run as whatif
+
+        return await whatif(ctl, args, emit)
     raise UsageError(f"unknown shard verb {verb!r}")

@@ -137,3 +137,21 @@ class ShardMetrics:
             "bigfleet_shard_handoff_sessions_held_total",
             "Sessions answered UNAVAILABLE: the cluster was still being handed to this shard", registry=r,
         )
+        # What-if (ShardRead.WhatIf, decision/whatif.py) and consolidation (decision/consolidation.py).
+        self.whatif_calls = Counter(
+            "bigfleet_shard_whatif_calls_total", "ShardRead.WhatIf calls by result (ok, invalid, unavailable)",
+            ["result"], registry=r,
+        )
+        self.whatif_duration = Histogram(
+            "bigfleet_shard_whatif_duration_seconds", "One WhatIf answer (an engine pass per candidate need)",
+            buckets=_exp(0.001, 2, 14), registry=r,
+        )
+        self.consolidation_replacements = Counter(
+            "bigfleet_shard_consolidation_replacements_total",
+            "Consolidation moves decided (kind: cheaper = onto cheaper supply, repack = onto fewer machines)",
+            ["kind"], registry=r,
+        )
+        self.consolidation_savings = Gauge(
+            "bigfleet_shard_consolidation_savings_dollars_per_hour",
+            "$/hour the last cycle's consolidation plan saves once its moves complete", registry=r,
+        )

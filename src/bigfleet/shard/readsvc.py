@@ -6,15 +6,27 @@ is soft state from the last cycle; GetInventoryCounts is live.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from bigfleet.decision.whatif import MAX_WHATIF_NEEDS, Result, what_if
+from bigfleet.needs import Need, ValidationError
+from bigfleet.security.limits import LimitExceeded, check_rollup
 from bigfleet.shard.engineproc import row_age, row_resources
 from bigfleet.shard.ha.node import RaftError
-from bigfleet.v1alpha1 import coordinator_pb2, provider_pb2, shardread_pb2, shardread_pb2_grpc
-from bigfleet.wire.needs import need_to_proto, requirement_to_proto
+from bigfleet.v1alpha1 import capacity_pb2, coordinator_pb2, provider_pb2, shardread_pb2, shardread_pb2_grpc
+from bigfleet.wire.needs import (
+    MAX_COLOCATION_GROUP_LEN,
+    need_from_proto,
+    need_to_proto,
+    requirement_to_proto,
+    validate_cluster_id,
+)
 
 if TYPE_CHECKING:
     from bigfleet.shard.daemon import ShardDaemon
@@ -25,6 +37,8 @@ S = provider_pb2.MachineState
 class ShardReadServicer(shardread_pb2_grpc.ShardReadServicer):
     def __init__(self, daemon: ShardDaemon) -> None:
         self.d = daemon
+        # One what-if at a time: each is an engine pass per candidate over the whole shard.
+        self._whatif = asyncio.Lock()
 
     async def InspectNeeds(
         self, request: shardread_pb2.InspectNeedsRequest, context: grpc.aio.ServicerContext
@@ -77,6 +91,84 @@ class ShardReadServicer(shardread_pb2_grpc.ShardReadServicer):
         if request.limit:
             out = out[: request.limit]
         return shardread_pb2.ListShortfallsResponse(cycle=rec.cycle, shortfalls=out)
+
+
+    async def WhatIf(
+        self, request: shardread_pb2.WhatIfRequest, context: grpc.aio.ServicerContext
+    ) -> shardread_pb2.WhatIfResponse:
+        """Run the engine on a copy of this leader's state with the candidates added; actuate and
+        replicate nothing (decision/whatif.py)."""
+        d, m = self.d, self.d.metrics
+        try:
+            cluster, cands = _whatif_input(request, d.config.wall_ns())
+        except (ValidationError, LimitExceeded) as exc:
+            m.whatif_calls.labels("invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"what-if: {exc}")
+        if cluster in d.frozen_clusters:
+            m.whatif_calls.labels("unavailable").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cluster {cluster!r} is being handed to another shard")
+        if not d.reconciled.is_set():
+            m.whatif_calls.labels("unavailable").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard has not read its inventory yet; retry")
+        async with self._whatif:
+            t0 = time.perf_counter()
+            # The copy is taken on the loop (records are immutable; the lists are ours), the engine
+            # runs off it so sessions keep being served.
+            fc, fm = d.frozen_clusters, d.frozen_machines
+            needs = [n for n in d.store.table.snapshot() if n.cluster_id not in fc]
+            machines = [x for x in d.view.machines() if x.id not in fm and x.cluster not in fc]
+            config = replace(d.config.engine, paused=d.paused, dry_run=d.dry_run)
+            now, cycle = d.config.wall_ns(), d.cycles
+            state = d.store.engine_state()
+            try:
+                if d.config.compute_inline:  # (the simulator's virtual clock: no threads)
+                    res = what_if(needs, machines, now, state, config, cluster, cands)
+                else:
+                    res = await asyncio.to_thread(what_if, needs, machines, now, state, config, cluster, cands)
+            except ValueError as exc:  # (input already checked: defensive)
+                m.whatif_calls.labels("invalid").inc()
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"what-if: {exc}")
+            m.whatif_duration.observe(time.perf_counter() - t0)
+        m.whatif_calls.labels("ok").inc()
+        return whatif_to_proto(res, cycle, now)
+
+
+def _whatif_input(request: shardread_pb2.WhatIfRequest, now: int) -> tuple[str, list[Need]]:
+    """The request's cluster and candidate needs, checked as a roll-up would be; raises
+    ValidationError / LimitExceeded naming the bad field."""
+    cluster = validate_cluster_id(request.cluster_id)
+    if not request.needs:
+        raise ValidationError("needs", "at least one need is required")
+    if len(request.needs) > MAX_WHATIF_NEEDS:
+        raise ValidationError("needs", f"{len(request.needs)} needs, at most {MAX_WHATIF_NEEDS}")
+    check_rollup(capacity_pb2.ClusterCapacityNeeds(cluster_id=cluster, needs=request.needs))
+    out = []
+    for i, pb in enumerate(request.needs):
+        if len(pb.group) > MAX_COLOCATION_GROUP_LEN:
+            raise ValidationError(f"needs[{i}].group", f"longer than {MAX_COLOCATION_GROUP_LEN} characters")
+        n = need_from_proto(pb, cluster, now, f"needs[{i}]")
+        if n.aggregate_resources.is_zero():
+            raise ValidationError(f"needs[{i}].aggregate_resources", "must not be empty")
+        out.append(n)
+    return cluster, out
+
+
+def whatif_to_proto(res: Result, cycle: int, now: int) -> shardread_pb2.WhatIfResponse:
+    out = shardread_pb2.WhatIfResponse(cycle=cycle, computed_at_unix_nanos=now, all_satisfiable=res.all_satisfiable)
+    for a in res.answers:
+        pb = out.answers.add(
+            index=a.index, profile_fingerprint=a.fingerprint, outcome=int(a.outcome),
+            bound_count=a.bound, idle_count=a.idle, speculative_count=a.speculative, victims=a.victims,
+            unmet_reason=int(a.unmet_reason) if int(a.unmet_reason) <= 4 else 0,
+            message=a.message(),
+        )
+        for prio, count in a.victim_priorities:
+            pb.victim_priorities.add(priority=prio, machines=count)
+        for cid, fp, prio in a.displaced:
+            pb.displaced.add(cluster_id=cid, profile_fingerprint=fp, priority=prio)
+        if a.residual:
+            pb.residual_deficit.resources.update(a.residual.to_wire())
+    return out
 
 
 def _fill_from_verdict(view: shardread_pb2.NeedView, v: Any) -> None:

@@ -56,6 +56,40 @@ UNMET_REASON_PREEMPTION_EXHAUSTED: UnmetReason.ValueType  # 4
 """Victims were found, but not enough."""
 Global___UnmetReason: _TypeAlias = UnmetReason  # noqa: Y015
 
+class _WhatIfOutcome:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _WhatIfOutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WhatIfOutcome.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    WHAT_IF_OUTCOME_UNSPECIFIED: _WhatIfOutcome.ValueType  # 0
+    WHAT_IF_OUTCOME_BOUND: _WhatIfOutcome.ValueType  # 1
+    """By machines already bound to the cluster (its excess, otherwise reclaimed)."""
+    WHAT_IF_OUTCOME_IDLE: _WhatIfOutcome.ValueType  # 2
+    """Idle machines would be configured for it (and bound ones, if any)."""
+    WHAT_IF_OUTCOME_SPECULATIVE: _WhatIfOutcome.ValueType  # 3
+    """Speculative machines would be created for it (and idle/bound ones, if any)."""
+    WHAT_IF_OUTCOME_PREEMPTION: _WhatIfOutcome.ValueType  # 4
+    """Only by preempting lower-priority machines (see victims)."""
+    WHAT_IF_OUTCOME_UNSATISFIABLE: _WhatIfOutcome.ValueType  # 5
+    """Not now; see unmet_reason and residual_deficit."""
+
+class WhatIfOutcome(_WhatIfOutcome, metaclass=_WhatIfOutcomeEnumTypeWrapper):
+    """How a candidate need would be served if it were added now."""
+
+WHAT_IF_OUTCOME_UNSPECIFIED: WhatIfOutcome.ValueType  # 0
+WHAT_IF_OUTCOME_BOUND: WhatIfOutcome.ValueType  # 1
+"""By machines already bound to the cluster (its excess, otherwise reclaimed)."""
+WHAT_IF_OUTCOME_IDLE: WhatIfOutcome.ValueType  # 2
+"""Idle machines would be configured for it (and bound ones, if any)."""
+WHAT_IF_OUTCOME_SPECULATIVE: WhatIfOutcome.ValueType  # 3
+"""Speculative machines would be created for it (and idle/bound ones, if any)."""
+WHAT_IF_OUTCOME_PREEMPTION: WhatIfOutcome.ValueType  # 4
+"""Only by preempting lower-priority machines (see victims)."""
+WHAT_IF_OUTCOME_UNSATISFIABLE: WhatIfOutcome.ValueType  # 5
+"""Not now; see unmet_reason and residual_deficit."""
+Global___WhatIfOutcome: _TypeAlias = WhatIfOutcome  # noqa: Y015
+
 @_typing.final
 class InventoryCountsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -517,3 +551,178 @@ class DomainCoverage(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DomainCoverage: _TypeAlias = DomainCoverage  # noqa: Y015
+
+@_typing.final
+class WhatIfRequest(_message.Message):
+    """Python addition: the candidate needs of one cluster (the CapacityNeed shape a roll-up
+    carries). Each is answered on top of the cluster's current demand, alone; the response
+    also says whether all of them fit together.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    NEEDS_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.str
+    @_builtins.property
+    def needs(self) -> _containers.RepeatedCompositeFieldContainer[_capacity_pb2.CapacityNeed]:
+        """At most 32."""
+
+    def __init__(
+        self,
+        *,
+        cluster_id: _builtins.str = ...,
+        needs: _abc.Iterable[_capacity_pb2.CapacityNeed] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "needs", b"needs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WhatIfRequest: _TypeAlias = WhatIfRequest  # noqa: Y015
+
+@_typing.final
+class WhatIfResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CYCLE_FIELD_NUMBER: _builtins.int
+    COMPUTED_AT_UNIX_NANOS_FIELD_NUMBER: _builtins.int
+    ANSWERS_FIELD_NUMBER: _builtins.int
+    ALL_SATISFIABLE_FIELD_NUMBER: _builtins.int
+    cycle: _builtins.int
+    """The shard cycle whose carried state the answer started from (0: none ran yet)."""
+    computed_at_unix_nanos: _builtins.int
+    all_satisfiable: _builtins.bool
+    """Every candidate met (now or by preemption) when all are added at once."""
+    @_builtins.property
+    def answers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WhatIfAnswer]:
+        """One per request need, in request order."""
+
+    def __init__(
+        self,
+        *,
+        cycle: _builtins.int = ...,
+        computed_at_unix_nanos: _builtins.int = ...,
+        answers: _abc.Iterable[Global___WhatIfAnswer] | None = ...,
+        all_satisfiable: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all_satisfiable", b"all_satisfiable", "answers", b"answers", "computed_at_unix_nanos", b"computed_at_unix_nanos", "cycle", b"cycle"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WhatIfResponse: _TypeAlias = WhatIfResponse  # noqa: Y015
+
+@_typing.final
+class WhatIfAnswer(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    PROFILE_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    BOUND_COUNT_FIELD_NUMBER: _builtins.int
+    IDLE_COUNT_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_COUNT_FIELD_NUMBER: _builtins.int
+    VICTIMS_FIELD_NUMBER: _builtins.int
+    VICTIM_PRIORITIES_FIELD_NUMBER: _builtins.int
+    UNMET_REASON_FIELD_NUMBER: _builtins.int
+    RESIDUAL_DEFICIT_FIELD_NUMBER: _builtins.int
+    DISPLACED_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """Position in WhatIfRequest.needs."""
+    profile_fingerprint: _builtins.str
+    """The need's profile fingerprint (what NeedView.profile_fingerprint would show)."""
+    outcome: Global___WhatIfOutcome.ValueType
+    bound_count: _builtins.int
+    """Machines by source (the change against the cluster's demand without this need)."""
+    idle_count: _builtins.int
+    speculative_count: _builtins.int
+    victims: _builtins.int
+    """Machines that would be preempted for it, and their priorities (highest first)."""
+    unmet_reason: Global___UnmetReason.ValueType
+    """UNSPECIFIED unless UNSATISFIABLE."""
+    message: _builtins.str
+    """A readable one-line summary."""
+    @_builtins.property
+    def victim_priorities(self) -> _containers.RepeatedCompositeFieldContainer[Global___VictimPriority]: ...
+    @_builtins.property
+    def residual_deficit(self) -> _provider_pb2.Resources:
+        """What would still be missing; only when UNSATISFIABLE."""
+
+    @_builtins.property
+    def displaced(self) -> _containers.RepeatedCompositeFieldContainer[Global___DisplacedNeed]:
+        """Needs met today that this one would leave unmet (they lose supply to it), capped at 20."""
+
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        profile_fingerprint: _builtins.str = ...,
+        outcome: Global___WhatIfOutcome.ValueType = ...,
+        bound_count: _builtins.int = ...,
+        idle_count: _builtins.int = ...,
+        speculative_count: _builtins.int = ...,
+        victims: _builtins.int = ...,
+        victim_priorities: _abc.Iterable[Global___VictimPriority] | None = ...,
+        unmet_reason: Global___UnmetReason.ValueType = ...,
+        residual_deficit: _provider_pb2.Resources | None = ...,
+        displaced: _abc.Iterable[Global___DisplacedNeed] | None = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["residual_deficit", b"residual_deficit"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bound_count", b"bound_count", "displaced", b"displaced", "idle_count", b"idle_count", "index", b"index", "message", b"message", "outcome", b"outcome", "profile_fingerprint", b"profile_fingerprint", "residual_deficit", b"residual_deficit", "speculative_count", b"speculative_count", "unmet_reason", b"unmet_reason", "victim_priorities", b"victim_priorities", "victims", b"victims"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WhatIfAnswer: _TypeAlias = WhatIfAnswer  # noqa: Y015
+
+@_typing.final
+class VictimPriority(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    MACHINES_FIELD_NUMBER: _builtins.int
+    priority: _builtins.int
+    machines: _builtins.int
+    def __init__(
+        self,
+        *,
+        priority: _builtins.int = ...,
+        machines: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["machines", b"machines", "priority", b"priority"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VictimPriority: _TypeAlias = VictimPriority  # noqa: Y015
+
+@_typing.final
+class DisplacedNeed(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    PROFILE_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.str
+    profile_fingerprint: _builtins.str
+    priority: _builtins.int
+    def __init__(
+        self,
+        *,
+        cluster_id: _builtins.str = ...,
+        profile_fingerprint: _builtins.str = ...,
+        priority: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "priority", b"priority", "profile_fingerprint", b"profile_fingerprint"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DisplacedNeed: _TypeAlias = DisplacedNeed  # noqa: Y015

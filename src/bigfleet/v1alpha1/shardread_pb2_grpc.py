@@ -49,6 +49,11 @@ class ShardReadStub:
                 request_serializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.ListShortfallsRequest.SerializeToString,
                 response_deserializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.ListShortfallsResponse.FromString,
                 _registered_method=True)
+        self.WhatIf = channel.unary_unary(
+                '/bigfleet.v1alpha1.ShardRead/WhatIf',
+                request_serializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.WhatIfRequest.SerializeToString,
+                response_deserializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.WhatIfResponse.FromString,
+                _registered_method=True)
 
 
 class ShardReadServicer:
@@ -76,6 +81,15 @@ class ShardReadServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WhatIf(self, request, context):
+        """Python addition: would these candidate needs of one cluster be met now, and how? The
+        shard runs its engine on a copy of its current state (inventory, demand, carried
+        state); nothing is actuated or replicated. Leader only, like every ShardRead call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardReadServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +107,11 @@ def add_ShardReadServicer_to_server(servicer, server):
                     servicer.ListShortfalls,
                     request_deserializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.ListShortfallsRequest.FromString,
                     response_serializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.ListShortfallsResponse.SerializeToString,
+            ),
+            'WhatIf': grpc.unary_unary_rpc_method_handler(
+                    servicer.WhatIf,
+                    request_deserializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.WhatIfRequest.FromString,
+                    response_serializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.WhatIfResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +195,33 @@ class ShardRead:
             '/bigfleet.v1alpha1.ShardRead/ListShortfalls',
             bigfleet_dot_v1alpha1_dot_shardread__pb2.ListShortfallsRequest.SerializeToString,
             bigfleet_dot_v1alpha1_dot_shardread__pb2.ListShortfallsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WhatIf(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bigfleet.v1alpha1.ShardRead/WhatIf',
+            bigfleet_dot_v1alpha1_dot_shardread__pb2.WhatIfRequest.SerializeToString,
+            bigfleet_dot_v1alpha1_dot_shardread__pb2.WhatIfResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,6 +43,11 @@ class ShardReadStub:
     """Python addition: machine counts by state (and per cluster), live."""
     ListShortfalls: _grpc.UnaryUnaryMultiCallable[_shardread_pb2.ListShortfallsRequest, _shardread_pb2.ListShortfallsResponse]
     """Python addition: the last cycle's shortfalls, highest priority first."""
+    WhatIf: _grpc.UnaryUnaryMultiCallable[_shardread_pb2.WhatIfRequest, _shardread_pb2.WhatIfResponse]
+    """Python addition: would these candidate needs of one cluster be met now, and how? The
+    shard runs its engine on a copy of its current state (inventory, demand, carried
+    state); nothing is actuated or replicated. Leader only, like every ShardRead call.
+    """
 
 @_typing.type_check_only
 class ShardReadAsyncStub(ShardReadStub):
@@ -55,6 +60,11 @@ class ShardReadAsyncStub(ShardReadStub):
     """Python addition: machine counts by state (and per cluster), live."""
     ListShortfalls: _aio.UnaryUnaryMultiCallable[_shardread_pb2.ListShortfallsRequest, _shardread_pb2.ListShortfallsResponse]  # type: ignore[assignment]
     """Python addition: the last cycle's shortfalls, highest priority first."""
+    WhatIf: _aio.UnaryUnaryMultiCallable[_shardread_pb2.WhatIfRequest, _shardread_pb2.WhatIfResponse]  # type: ignore[assignment]
+    """Python addition: would these candidate needs of one cluster be met now, and how? The
+    shard runs its engine on a copy of its current state (inventory, demand, carried
+    state); nothing is actuated or replicated. Leader only, like every ShardRead call.
+    """
 
 class ShardReadServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -82,6 +92,17 @@ class ShardReadServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_shardread_pb2.ListShortfallsResponse, _abc.Awaitable[_shardread_pb2.ListShortfallsResponse]]:
         """Python addition: the last cycle's shortfalls, highest priority first."""
+
+    @_abc_1.abstractmethod
+    def WhatIf(
+        self,
+        request: _shardread_pb2.WhatIfRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_shardread_pb2.WhatIfResponse, _abc.Awaitable[_shardread_pb2.WhatIfResponse]]:
+        """Python addition: would these candidate needs of one cluster be met now, and how? The
+        shard runs its engine on a copy of its current state (inventory, demand, carried
+        state); nothing is actuated or replicated. Leader only, like every ShardRead call.
+        """
 
 def add_ShardReadServicer_to_server(servicer: ShardReadServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -1,0 +1,114 @@
+"""ShardRead.WhatIf in-process: answers from a copy of the shard's state, validates its input with
+INVALID_ARGUMENT, and neither actuates (no provider call, no dispatch) nor replicates (no log write)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import NoReturn
+
+import grpc
+import pytest
+
+from bigfleet.observability import new_registry
+from bigfleet.shard.daemon import DaemonConfig, ShardDaemon
+from bigfleet.shard.metrics import ShardMetrics
+from bigfleet.shard.readsvc import ShardReadServicer
+from bigfleet.testing import free_port
+from bigfleet.v1alpha1 import capacity_pb2, provider_pb2, shardread_pb2
+from bigfleet.wire.machine import META_ASSIGNED_PRIORITY
+
+from .opsim import need
+from .test_daemon_unit import machine
+
+S = provider_pb2.MachineState
+W = shardread_pb2.WhatIfOutcome
+
+
+class Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+
+
+class Ctx:
+    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: object = ()) -> NoReturn:
+        raise Aborted(code, details)
+
+
+def _boom(*_a: object, **_k: object) -> NoReturn:
+    raise AssertionError("what-if must not actuate or replicate")
+
+
+@pytest.fixture
+async def daemon() -> AsyncIterator[ShardDaemon]:
+    d = ShardDaemon(DaemonConfig(shard_id="s1", provider=f"127.0.0.1:{free_port()}", epoch=3, engine_mode="inline"),
+                    ShardMetrics(new_registry()))
+    bound = machine("b1", S.MACHINE_STATE_CONFIGURED, cluster="c2")
+    bound.shard_metadata[META_ASSIGNED_PRIORITY] = "10"
+    for pb in (machine("i1", S.MACHINE_STATE_IDLE), machine("s1", S.MACHINE_STATE_SPECULATIVE), bound):
+        d.view.set(pb)
+    assert (await d.handle_rollup("c2", capacity_pb2.ClusterCapacityNeeds(
+        cluster_id="c2", needs=[need("8", priority=10)]))).accepted
+    d.reconciled.set()
+    try:
+        yield d
+    finally:
+        await d.stop(drain_timeout=0.2)
+
+
+def _ask(cluster: str, *needs: capacity_pb2.CapacityNeed) -> shardread_pb2.WhatIfRequest:
+    return shardread_pb2.WhatIfRequest(cluster_id=cluster, needs=list(needs))
+
+
+async def test_answers_by_source_without_acting(daemon: ShardDaemon) -> None:
+    d = daemon
+    for name in ("replace", "save_engine", "hold_rollup", "record_disruptions", "set_actuation", "claim"):
+        setattr(d.log, name, _boom)
+    for name in ("create", "configure", "drain", "delete"):
+        setattr(d.provider, name, _boom)
+    d.dispatcher.dispatch = _boom  # type: ignore[method-assign]
+    before = ({m.id: m for m in d.view.machines()}, d.store.table.snapshot(), d.store.engine_state().to_dict())
+    svc = ShardReadServicer(d)
+    r = await svc.WhatIf(_ask("c1", need("8"), need("8", priority=5, count=2), need("8", priority=1000), need("64")), Ctx())
+    idle, spec, pre, no = r.answers
+    assert (idle.outcome, idle.idle_count) == (W.WHAT_IF_OUTCOME_IDLE, 1)
+    assert (spec.outcome, spec.idle_count, spec.speculative_count) == (W.WHAT_IF_OUTCOME_SPECULATIVE, 1, 1)
+    assert idle.index == 0 and no.index == 3 and idle.profile_fingerprint
+    # 3 machines at priority 1000: idle + speculative + c2's bound one (preempted)
+    r2 = await svc.WhatIf(_ask("c1", need("8", priority=1000, count=3)), Ctx())
+    p = r2.answers[0]
+    assert p.outcome == W.WHAT_IF_OUTCOME_PREEMPTION and p.victims == 1
+    assert [(v.priority, v.machines) for v in p.victim_priorities] == [(10, 1)]
+    assert [x.cluster_id for x in p.displaced] == ["c2"]
+    assert pre.outcome == W.WHAT_IF_OUTCOME_IDLE  # each alone: the idle machine is free for it
+    assert no.outcome == W.WHAT_IF_OUTCOME_UNSATISFIABLE and no.unmet_reason != 0
+    assert no.residual_deficit.resources["cpu"] and "not satisfiable" in no.message
+    assert not r.all_satisfiable
+    after = ({m.id: m for m in d.view.machines()}, d.store.table.snapshot(), d.store.engine_state().to_dict())
+    assert after == before and not d.view.inflight and d.cycles == 0
+    assert d.metrics.whatif_calls.labels("ok")._value.get() == 2
+
+
+@pytest.mark.parametrize(("req", "field"), [
+    (_ask("", need("1")), "cluster_id"),
+    (_ask("c 1", need("1")), "cluster_id"),
+    (_ask("c1"), "needs"),
+    (_ask("c1", *[need("1")] * 33), "needs"),
+    (_ask("c1", capacity_pb2.CapacityNeed(aggregate_resources={"cpu": "-1"})), "needs[0].aggregate_resources"),
+    (_ask("c1", capacity_pb2.CapacityNeed(aggregate_resources={"cpu": "lots"})), "needs[0].aggregate_resources"),
+    (_ask("c1", capacity_pb2.CapacityNeed()), "needs[0].aggregate_resources"),
+    (_ask("c1", capacity_pb2.CapacityNeed(aggregate_resources={"cpu": "1"}, group="g" * 300)), "group"),
+    (_ask("c1", capacity_pb2.CapacityNeed(aggregate_resources={"cpu": "1"}, interruption_penalty_bucket=99)),  # type: ignore[arg-type]
+     "interruption_penalty_bucket"),
+], ids=["no-cluster", "space", "no-needs", "too-many", "negative", "unparsable", "empty", "long-group", "bucket"])
+async def test_bad_input_is_invalid_argument(daemon: ShardDaemon, req: shardread_pb2.WhatIfRequest, field: str) -> None:
+    with pytest.raises(Aborted) as exc:
+        await ShardReadServicer(daemon).WhatIf(req, Ctx())
+    assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT and field in str(exc.value)
+
+
+async def test_unavailable_before_the_inventory_is_read(daemon: ShardDaemon) -> None:
+    daemon.reconciled.clear()
+    with pytest.raises(Aborted) as exc:
+        await ShardReadServicer(daemon).WhatIf(_ask("c1", need("1")), Ctx())
+    assert exc.value.code == grpc.StatusCode.UNAVAILABLE
