@@ -131,6 +131,7 @@ IDS = {
         (C + "PlanRebalance", {"admin", "readonly"}),
         ("/bigfleet.v1alpha1.ShardAdmin/SetActuation", {"admin"}),
         ("/bigfleet.v1alpha1.ShardAdmin/GetActuation", {"admin", "readonly"}),
+        ("/bigfleet.v1alpha1.ShardRead/WhatIf", {"admin", "readonly", "cluster-a"}),
         ("/grpc.health.v1.Health/Check", set(IDS)),
     ],
 )
@@ -159,6 +160,14 @@ def test_lookup_cluster_only_for_itself() -> None:
     access = COORDINATOR_POLICY[C + "LookupCluster"]
     authorize(cluster("cluster-a"), access, "cluster-a")
     authorize(ADMIN, access, "cluster-b")
+    with pytest.raises(PermissionDenied):
+        authorize(cluster("cluster-a"), access, "cluster-b")
+
+
+def test_whatif_only_for_its_own_cluster() -> None:
+    access = SHARD_POLICY["/bigfleet.v1alpha1.ShardRead/WhatIf"]
+    authorize(cluster("cluster-a"), access, "cluster-a")
+    authorize(READONLY, access, "cluster-b")
     with pytest.raises(PermissionDenied):
         authorize(cluster("cluster-a"), access, "cluster-b")
 
