@@ -27,7 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML file with settings (flag names, dashes or underscores)")
     p.add_argument("--shard-id")
     p.add_argument("--listen", help="HOST:PORT for Shard, ShardRead and ShardAdmin")
-    p.add_argument("--provider", help="HOST:PORT of the capacity provider")
+    p.add_argument("--provider", action="append", metavar="[NAME=]HOST:PORT",
+                   help="the capacity provider: HOST:PORT, or NAME=HOST:PORT repeated for one pool across "
+                        "several providers (machine ids become NAME/<id>; append @exclusive or @shared to "
+                        "override --ownership for that provider)")
     p.add_argument("--metrics-listen", help="HOST:PORT for /metrics (empty = off)")
     p.add_argument("--http-listen", help="HOST:PORT for the read-only dashboard and its JSON (empty = off)")
     p.add_argument("--coordinator", help="coordinator addresses HOST:PORT,...")
@@ -123,7 +126,7 @@ def main(argv: list[str]) -> int:
         print(f"bigfleet shard: invalid configuration: {exc}", file=sys.stderr)
         return 2
     if not settings.provider:
-        print("bigfleet shard: --provider HOST:PORT is required", file=sys.stderr)
+        print("bigfleet shard: --provider HOST:PORT (or NAME=HOST:PORT, repeatable) is required", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format, component="shard")  # type: ignore[arg-type]
     # The engine runs on a worker thread; a short GIL switch interval lets the event loop (and

@@ -15,6 +15,8 @@ class ShardSettings(BaseSettings):
 
     shard_id: str = "shard-0"
     listen: str = "127.0.0.1:7780"
+    # HOST:PORT, or NAME=HOST:PORT[@exclusive|@shared] comma-separated (several providers, one pool:
+    # bigfleet.shard.providers); a YAML list of those is accepted too.
     provider: str = ""
     metrics_listen: str = ""
     http_listen: str = ""
@@ -73,7 +75,20 @@ class ShardSettings(BaseSettings):
         parse_budget(v)  # a bad rule is a configuration error at start-up, with its reason
         return v
 
-    @field_validator("listen", "provider", "metrics_listen", "advertise", "raft_bind")
+    @field_validator("provider", mode="before")
+    @classmethod
+    def _providers(cls, v: Any) -> Any:
+        from bigfleet.shard.providers import parse_provider_specs
+
+        if isinstance(v, list | tuple):
+            if not all(isinstance(x, str) for x in v):
+                raise ValueError("provider: expected HOST:PORT or a list of NAME=HOST:PORT strings")
+            v = ",".join(v)
+        if isinstance(v, str) and v:
+            parse_provider_specs(v)  # a malformed value is a start-up error naming it
+        return v
+
+    @field_validator("listen", "metrics_listen", "advertise", "raft_bind")
     @classmethod
     def _hostport(cls, v: str) -> str:
         if v and (":" not in v or not v.rpartition(":")[2].isdigit()):

@@ -35,6 +35,7 @@ from bigfleet.shard.hints import CapacityHints
 from bigfleet.shard.intake import RollupIntake
 from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.shard.provider_client import ProviderClient
+from bigfleet.shard.providers import ShardProvider, build_provider, parse_provider_specs
 from bigfleet.shard.reconcile import Reconciler
 from bigfleet.shard.retire import Retirer
 from bigfleet.shard.runtime import HeapSettler, watch_loop_lag
@@ -150,7 +151,7 @@ class ShardDaemon:
     actuation switch) is committed there before it takes effect or is acknowledged."""
 
     def __init__(self, config: DaemonConfig, metrics: ShardMetrics, tls: TLSConfig | None = None,
-                 provider: ProviderClient | None = None, log: ShardLog | None = None,
+                 provider: ShardProvider | None = None, log: ShardLog | None = None,
                  coordinator: CoordinatorCalls | None = None) -> None:
         self.config = config
         self.metrics = metrics
@@ -161,7 +162,9 @@ class ShardDaemon:
         self.sessions = SessionRegistry(metrics)
         self.view = MachineView(on_node_update=self._route_node_update, on_reject=self._on_reject,
                                 wall_ns=config.wall_ns)
-        self.provider = provider or ProviderClient(config.provider, config.shard_id, config.epoch, metrics, tls=tls)
+        self.provider: ShardProvider = provider or build_provider(
+            parse_provider_specs(config.provider),
+            lambda target: ProviderClient(target, config.shard_id, config.epoch, metrics, tls=tls))
         # Bound machines carry their owner: a shard sharing the provider leaves them alone.
         self.provider.extra_metadata = {OWNER_KEY: config.shard_id}
         self.executor = Executor(

@@ -33,7 +33,8 @@ from typing import Any
 from bigfleet.machine import Assignment
 from bigfleet.observability import get_logger
 from bigfleet.shard.metrics import ShardMetrics
-from bigfleet.shard.provider_client import ProviderClient, ProviderError
+from bigfleet.shard.provider_client import ProviderError
+from bigfleet.shard.providers import ShardProvider
 from bigfleet.shard.sessions import BootstrapUnavailable, ReclaimSent, SessionRegistry
 from bigfleet.shard.view import MachineView, node_name
 from bigfleet.v1alpha1 import capacity_pb2, provider_pb2
@@ -157,7 +158,7 @@ class Executor:
     def __init__(
         self,
         view: MachineView,
-        provider: ProviderClient,
+        provider: ShardProvider,
         sessions: SessionRegistry,
         resolve_binding: Callable[[str, str, int], Binding | None],
         config: ExecutorConfig,

@@ -180,7 +180,8 @@ class ShardHandoff(BaseInstructionHandler):
         return self.log.ledger()
 
     def owns(self, pb: provider_pb2.Machine) -> bool:
-        return owns(self.log.ledger(), self.shard_id, self.mode, pb)
+        # Per provider when the shard draws from several (bigfleet.shard.providers: NAME=HOST:PORT@shared).
+        return owns(self.log.ledger(), self.shard_id, self.daemon.provider.ownership_for(pb.id) or self.mode, pb)
 
     def refusal(self, cluster_id: str) -> tuple[str, str] | None:
         """(reason, redirect address) when this shard must not serve ``cluster_id``."""

@@ -66,6 +66,12 @@ class ProviderError(Exception):
 
 
 class ProviderClient:
+    """One provider over gRPC; also its own (only) List source, answering for every machine id."""
+
+    #: as a reconcile source (bigfleet.shard.providers.ListSource): unnamed, every id is its own
+    name = ""
+    prefix = ""
+
     def __init__(
         self,
         target: str,
@@ -119,6 +125,12 @@ class ProviderClient:
         self.backoff = backoff
         # Stamped into every Configure's shard_metadata (the handoff's owner key; empty = nothing).
         self.extra_metadata: dict[str, str] = {}
+
+    def sources(self) -> tuple[ProviderClient]:
+        return (self,)
+
+    def ownership_for(self, machine_id: str) -> str | None:
+        return None  # the shard's --ownership
 
     async def close(self) -> None:
         for ch in self._channels:

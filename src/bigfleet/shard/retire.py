@@ -16,7 +16,8 @@ from collections.abc import Callable
 from bigfleet.observability import get_logger
 from bigfleet.shard.executor import Executor
 from bigfleet.shard.metrics import ShardMetrics
-from bigfleet.shard.provider_client import ProviderClient, ProviderError
+from bigfleet.shard.provider_client import ProviderError
+from bigfleet.shard.providers import ShardProvider
 from bigfleet.v1alpha1 import provider_pb2
 
 log = get_logger("bigfleet.shard.retire")
@@ -24,7 +25,7 @@ S = provider_pb2.MachineState
 
 
 class Retirer:
-    def __init__(self, provider: ProviderClient, executor: Executor, metrics: ShardMetrics,
+    def __init__(self, provider: ShardProvider, executor: Executor, metrics: ShardMetrics,
                  clock: Callable[[], float], timeout: float = 120.0, poll: float = 0.5) -> None:
         self.provider = provider
         self.executor = executor

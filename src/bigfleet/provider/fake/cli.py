@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from bigfleet.provider.fake.backend import Dwell, FaultPlan, FaultRule, SimulatedCloud
-from bigfleet.provider.fake.catalog import build_catalog
+from bigfleet.provider.fake.catalog import COMMITTED, ELASTIC, build_catalog
 from bigfleet.provider.kit.model import TAINT_EFFECTS, Kind, Taint
 from bigfleet.provider.kit.runner import add_common_args, run
 
@@ -40,6 +40,9 @@ def _nonneg(text: str) -> float:
     return v
 
 
+CLOUDS = frozenset(t.cloud for t in (*COMMITTED, *ELASTIC))
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bigfleet fake-provider", description=__doc__)
     add_common_args(p)
@@ -47,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--committed-count", type=int, default=0,
                    help="IDLE committed hosts (bare metal, reserved) on first boot (default 0)")
     p.add_argument("--provider-name", default="fake", help="prefix of HostRef.provider")
+    p.add_argument("--cloud", action="append", default=[], choices=sorted(CLOUDS), metavar="CLOUD",
+                   help="offer only this simulated cloud's tiers (repeatable; onprem is the bare metal): e.g. "
+                        "--cloud onprem for a rack of bare metal next to a real cloud's provider (default: all)")
     p.add_argument("--create-delay", type=_nonneg, default=0.0, help="seconds a Create takes (0 = instant)")
     p.add_argument("--configure-delay", type=_nonneg, default=0.0)
     p.add_argument("--drain-delay", type=_nonneg, default=0.0)
@@ -87,7 +93,13 @@ def main(argv: list[str]) -> int:
         faults = FaultPlan(rules, args.fail_rate, args.fault_kinds, args.fault_seed)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
-    catalog = build_catalog(args.seed_count, args.committed_count, args.provider_name)
+    committed = tuple(t for t in COMMITTED if not args.cloud or t.cloud in args.cloud)
+    elastic = tuple(t for t in ELASTIC if not args.cloud or t.cloud in args.cloud)
+    if (args.committed_count and not committed) or (args.seed_count and not elastic):
+        raise SystemExit(f"--cloud {','.join(args.cloud)}: no "
+                         f"{'committed hosts' if args.committed_count and not committed else 'quota slots'} "
+                         "to seed (onprem has committed bare metal only, gcp quota slots only; set that count to 0)")
+    catalog = build_catalog(args.seed_count, args.committed_count, args.provider_name, elastic, committed)
     for inst in catalog:
         inst.taints = tuple(args.node_taint)
     backend = SimulatedCloud(

@@ -37,6 +37,7 @@ from bigfleet.shard.ha.node import ShardLog
 from bigfleet.shard.handoff import load_legacy_ledger
 from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.shard.provider_client import ProviderClient, ProviderError
+from bigfleet.shard.providers import build_provider, parse_provider_specs
 from bigfleet.shard.readsvc import ShardAdminServicer, ShardReadServicer
 from bigfleet.v1alpha1 import shard_pb2_grpc, shardread_pb2_grpc
 
@@ -197,8 +198,10 @@ class HAController:
         await self.raft.apply_actuation_flags(eng.paused, eng.dry_run, epoch)
         self.epoch, self.term = epoch, term
         cfg = replace(self.base_config, epoch=epoch)
-        provider = FencedProviderClient(cfg.provider, cfg.shard_id, epoch, self.metrics, tls=self.tls,
-                                        on_fenced=self._on_fenced)
+        # One provider, or several behind a router (each fenced with this epoch, any one's fencing answer
+        # steps this replica down).
+        provider = build_provider(parse_provider_specs(cfg.provider), lambda target: FencedProviderClient(
+            target, cfg.shard_id, epoch, self.metrics, tls=self.tls, on_fenced=self._on_fenced))
         hb = self.heartbeats
         daemon = ShardDaemon(cfg, self.metrics, tls=self.tls, provider=provider, log=self.raft,
                              coordinator=hb.client if hb is not None else None)
