@@ -36,6 +36,7 @@ from bigfleet.operator.nodes import PHASE_JOINING, PHASE_REGISTERED, NodeIndex, 
 from bigfleet.operator.rollup import MapCache, build_rollup, demand_fingerprint
 from bigfleet.operator.session import Backoff, Resolver, SessionClient, StaticResolver
 from bigfleet.operator.upcoming import upcoming_name
+from bigfleet.operator.whatif import DryRuns
 from bigfleet.security.tls import TLSConfig, dial
 from bigfleet.v1alpha1 import capacity_pb2, coordinator_pb2, coordinator_pb2_grpc, provider_pb2, shard_pb2
 
@@ -244,6 +245,8 @@ class Operator:
         self.session = SessionClient(cfg.cluster_id, resolver, self.handlers, self.metrics,
                                      request_rollup=self.rollup_now, rollup_interval=cfg.rollup_interval,
                                      backoff=backoff, tls=cfg.tls)
+        # Dry-run CapacityRequests: answered by the shard's WhatIf into status.whatIf (operator/whatif.py).
+        self.dry_runs = DryRuns(cfg.cluster_id, self.crs.items, resolver.resolve, self._write_whatif, tls=cfg.tls)
         self.last_rollup: capacity_pb2.ClusterCapacityNeeds | None = None
         self.map_cache = MapCache()
         # (namespace, name) -> need fingerprint, from the newest roll-up (what NeedVerdicts are keyed on)
@@ -266,6 +269,18 @@ class Operator:
 
     def _cr_changed(self, kind: str, obj: dict[str, Any]) -> None:
         self._rollup_due.set()
+        self.dry_runs.due.set()
+
+    async def _write_whatif(self, namespace: str, name: str, answer: dict[str, Any] | None) -> None:
+        try:
+            await with_retries(lambda: self.co.patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, CAPACITY_REQUESTS, name, {"status": {"whatIf": answer}},
+                _content_type=MERGE_PATCH), what="CapacityRequest what-if")
+            self.metrics.status_writes.labels(outcome="success").inc()
+        except Exception as exc:
+            self.metrics.status_writes.labels(outcome="error").inc()
+            if status_code(exc) != 404:
+                log.warning("CapacityRequest what-if write failed", namespace=namespace, name=name, error=str(exc)[:200])
 
     async def rollup_now(self) -> capacity_pb2.ClusterCapacityNeeds:
         """Build a roll-up from the cache, queue it, then acknowledge (in the background) the CRs it included
@@ -496,7 +511,7 @@ class Operator:
     async def _lead(self) -> None:
         self.metrics.is_leader.set(1)
         try:
-            loops = [self.session.run(), self._change_loop(), self._verdict_loop()]
+            loops = [self.session.run(), self._change_loop(), self._verdict_loop(), self.dry_runs.run()]
             if self.tracks_nodes and (self.cfg.node_registration_timeout > 0 or self.cfg.node_ready_timeout > 0):
                 loops.append(self._registration_loop())
             await asyncio.gather(*loops)

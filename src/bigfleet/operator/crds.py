@@ -23,6 +23,16 @@ UPCOMING_NODES = "upcomingnodes"
 
 CRD_DIR = Path(__file__).resolve().parents[3] / "deploy" / "crds"
 
+#: A CapacityRequest annotated ``bigfleet.lucy.sh/dry-run: "true"`` is never rolled up: the operator asks
+#: the shard what would happen (ShardRead.WhatIf) and writes the answer to ``status.whatIf`` instead.
+DRY_RUN_ANNOTATION = f"{GROUP}/dry-run"
+
+
+def is_dry_run(obj: dict[str, Any]) -> bool:
+    """Whether a CapacityRequest (as an API dict) carries the dry-run marker."""
+    ann = (obj.get("metadata") or {}).get("annotations") or {}
+    return str(ann.get(DRY_RUN_ANNOTATION, "")).strip().lower() == "true"
+
 CORE_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
 Quantity = int | float | str
 

@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError as PydanticValidationError
 
 from bigfleet.needs import Resources, ValidationError, bucket_from_dollars, format_quantity, parse_quantity
-from bigfleet.operator.crds import CORE_OPERATORS, CapacityRequest, LabelSelectorSpec
+from bigfleet.operator.crds import CORE_OPERATORS, CapacityRequest, LabelSelectorSpec, is_dry_run
 from bigfleet.v1alpha1 import capacity_pb2
 from bigfleet.wire.needs import profile_from_proto, requirement_from_proto
 
@@ -168,6 +168,15 @@ def _need_proto(key: AggKey, agg: _Agg) -> capacity_pb2.CapacityNeed:
     return need
 
 
+def cr_need(obj: Mapping[str, Any]) -> capacity_pb2.CapacityNeed | str:
+    """One CR alone as a need (what a roll-up of just this CR would carry), or why it is invalid."""
+    mapped = _map_obj(obj)
+    if isinstance(mapped, str):
+        return mapped
+    key, request = mapped
+    return _need_proto(key, _Agg(total=dict(request), unit=dict(request)))
+
+
 # What one CR maps to: its key and request, or why it was skipped.
 Mapped = tuple[AggKey, dict[str, int]] | str
 
@@ -218,6 +227,8 @@ def build_rollup(
         ns, name = str(meta.get("namespace", "")), str(meta.get("name", ""))
         if meta.get("deletionTimestamp"):
             continue  # being deleted: already withdrawn
+        if is_dry_run(dict(obj)):
+            continue  # asked about, not wanted: answered by what-if (operator/whatif.py)
         rv = str(meta.get("resourceVersion") or "")
         hit = cache.entries.get((ns, name)) if cache is not None and rv else None
         if hit is not None and hit[0] == rv:
