@@ -112,7 +112,7 @@ class _N:
         "same",
         "same_domain",
         "same_sat",
-        "spread",
+        "spreads",
         "unmet_age",
         "victims",
     )
@@ -134,7 +134,9 @@ class _N:
                 same = r
                 break
         self.same = same
-        self.spread: TopologySpread | None = p.strict_spread if (same is None and p.spread) else None
+        #: every DoNotSchedule spread term (a gang's Same supersedes them)
+        self.spreads: tuple[TopologySpread, ...] = (
+            tuple(s for s in p.spread if s.strict) if same is None else ())
         am = need.aggregate_resources._map
         self.agg: Vec = tuple([am.get(d, 0) for d in dims])
         mm = need.min_unit._map
@@ -178,6 +180,8 @@ class _Cycle:
         self.cursor: dict[tuple[int, int], int] = {}
         self.taken: dict[tuple[int, int], int] = {}
         self.vused: dict[tuple[int, int], int] = {}
+        #: DRAINING machines already counted against some need's deficit this cycle (Phase 2)
+        self.awaited: set[str] = set()
         self.zero: Vec = tuple(0 for _ in dims)
         self._eligible: dict[tuple[tuple[Requirement, ...], Vec], list[MClass]] = {}
         self._eligible_set: dict[tuple[tuple[Requirement, ...], Vec], set[int]] = {}
@@ -634,6 +638,7 @@ def _credit_same(cy: _Cycle, n: _N, sticky: str | None) -> None:
             if own:
                 b.cred_own = _add(b.cred_own, a)
             b.members.append((c, m, own))
+    _count_creating(cy, n, key, buckets)
     if not n.parked:
         for v, classes in cy.domains(n, key):
             count = 0
@@ -686,6 +691,39 @@ def _credit_same(cy: _Cycle, n: _N, sticky: str | None) -> None:
                     cy.vused[k] = cy.vused.get(k, 0) + used
                 if not any(rem):
                     return
+
+
+def _count_creating(cy: _Cycle, n: _N, key: str, buckets: dict[str, _Bucket]) -> None:
+    """Count the machines being created for this gang in their domains' buckets, as credit.
+
+    A Creating replacement for a lost member is supply the gang already owns: leaving it out made
+    the sticky domain look short and moved the whole gang (a reprovision elsewhere, a reclaim of the
+    members left behind). Reading them makes the cluster's result depend on in-flight creates, so
+    the cluster is not cached (`reserved_credit`).
+    """
+    creating = cy.ix.creating.get(n.fp)
+    if not creating:
+        return
+    eligible = cy.eligible_set(n)
+    for m in creating:
+        if m.id in cy.claim:
+            continue
+        owner = m.cluster or cy.reservations.get(m.id, "")
+        if owner and owner != n.cluster:
+            continue
+        c = cy.ix.cls(m)
+        v = c.attrs.get(key)
+        if v is None or c.idx not in eligible:
+            continue
+        n.reserved_credit = True
+        b = buckets.get(v)
+        if b is None:
+            b = buckets[v] = _Bucket(v, cy.zero)
+        a = cy.alloc[c.idx]
+        b.count += 1
+        b.total = _add(b.total, a)
+        b.cred = _add(b.cred, a)
+        b.cred_own = _add(b.cred_own, a)
 
 
 def _units_to_cover(rem: Vec, unit: Vec, limit: int) -> int:
@@ -821,44 +859,59 @@ def _acquire(cy: _Cycle, n: _N, classes: list[MClass], penalty: float) -> None:
 
 
 def _acquire_spread(cy: _Cycle, n: _N, classes: list[MClass], penalty: float) -> None:
-    sp = n.spread
-    assert sp is not None
-    key = sp.topology_key
-    skew = max(1, int(sp.max_skew))
-    counts: dict[str, int] = {}
+    """Acquire one machine at a time, each from the cheapest domain combination that keeps every
+    strict spread term within its skew (a class's domain is its tuple of values, one per term)."""
+    terms = n.spreads
+    keys = [t.topology_key for t in terms]
+    skews = [max(1, int(t.max_skew)) for t in terms]
+    counts: list[dict[str, int]] = [{} for _ in terms]
     for m in n.claimed:
-        v = cy.ix.cls(m).attrs.get(key)
-        if v is not None:
-            counts[v] = counts.get(v, 0) + 1
+        attrs = cy.ix.cls(m).attrs
+        for i, key in enumerate(keys):
+            v = attrs.get(key)
+            if v is not None:
+                counts[i][v] = counts[i].get(v, 0) + 1
     for state in (IDLE, SPEC):
-        by_dom: dict[str, list[MClass]] = {}
+        by_dom: dict[tuple[str, ...], list[MClass]] = {}
         for c in classes:
-            v = c.attrs.get(key)
-            if v is not None and (state, c.idx) in cy.ix.pool:
-                by_dom.setdefault(v, []).append(c)
-        for v in by_dom:
-            counts.setdefault(v, 0)
-        groups = {v: _ordered_classes(cy, cl, state, penalty) for v, cl in by_dom.items()}
-        while any(n.remaining) and counts:
-            lo = min(counts.values())
-            pick: tuple[float, str, MClass, Machine] | None = None
-            for v in sorted(groups):
-                if counts[v] > lo + skew - 1:
-                    continue
-                for g in groups[v]:
-                    nxt = _next_in_group(cy, state, g)
-                    if nxt is not None:
-                        cand = (nxt[0].eff_cost(penalty), v, nxt[0], nxt[1])
-                        if pick is None or (cand[0], cand[1]) < (pick[0], pick[1]):
-                            pick = cand
-                        break
+            if (state, c.idx) not in cy.ix.pool:
+                continue
+            values = [c.attrs.get(key) for key in keys]
+            if None not in values:  # a class without some term's key is no domain of that term
+                by_dom.setdefault(tuple([v for v in values if v is not None]), []).append(c)
+        for dom in by_dom:
+            for i, v in enumerate(dom):
+                counts[i].setdefault(v, 0)
+        groups = {dom: _ordered_classes(cy, cl, state, penalty) for dom, cl in sorted(by_dom.items())}
+        while any(n.remaining) and groups:
+            pick = _spread_pick(cy, state, groups, counts, skews, penalty)
             if pick is None:
                 break
-            _, v, c, m = pick
+            dom, c, m = pick
             cy.take(m, n, (state, c.idx))
             (n.acquired_idle if state == IDLE else n.acquired_spec).append(m)
             n.remaining = _sub(n.remaining, cy.alloc[c.idx])
-            counts[v] += 1
+            for i, v in enumerate(dom):
+                counts[i][v] += 1
+
+
+def _spread_pick(cy: _Cycle, state: int, groups: dict[tuple[str, ...], list[list[MClass]]],
+                 counts: list[dict[str, int]], skews: list[int], penalty: float
+                 ) -> tuple[tuple[str, ...], MClass, Machine] | None:
+    """The cheapest next machine (then the smallest domain tuple) whose every domain is within skew."""
+    ceilings = [min(cnt.values()) + skew - 1 for cnt, skew in zip(counts, skews, strict=True)]
+    best: tuple[float, tuple[str, ...], MClass, Machine] | None = None
+    for dom, dom_groups in groups.items():
+        if any(counts[i][v] > ceilings[i] for i, v in enumerate(dom)):
+            continue
+        for g in dom_groups:
+            nxt = _next_in_group(cy, state, g)
+            if nxt is not None:
+                cost = nxt[0].eff_cost(penalty)
+                if best is None or (cost, dom) < (best[0], best[1]):
+                    best = (cost, dom, nxt[0], nxt[1])
+                break
+    return None if best is None else (best[1], best[2], best[3])
 
 
 def _credit(cy: _Cycle, rows: list[_N], state: EngineState, gangs_first: bool = False) -> None:
@@ -889,7 +942,7 @@ def _acquire_all(cy: _Cycle, rows: list[_N]) -> None:
                 continue
             dom_classes = next((cl for v, cl in cy.domains(n, n.same.key) if v == n.same_domain), [])
             _acquire(cy, n, dom_classes, penalty)
-        elif n.spread is not None:
+        elif n.spreads:
             _acquire_spread(cy, n, classes, penalty)
         else:
             _acquire(cy, n, classes, penalty)
@@ -918,6 +971,30 @@ def _victim_key(m: Machine, grace_s: int) -> _VKey:
     still has is the whole grace its preempt Drain carries (docs/decision-engine.md, step 7)."""
     return (victim_score(m_interruption(m), m_reclamation(m), grace_s, m.shape.price_per_hour),
             m.assignment.priority, m.id)
+
+
+def _await_draining(cy: _Cycle, n: _N, classes: list[MClass]) -> bool:
+    """Count DRAINING machines of the need's classes against its deficit (each machine once per cycle,
+    in precedence order): a drain already under way, typically this need's own victim from an
+    earlier cycle, brings the machine back to the pool, so choosing another victim for the same
+    deficit would preempt twice. True when nothing is left to preempt for."""
+    draining = cy.ix.draining_by_class
+    if not draining:
+        return False
+    awaited = cy.awaited
+    for c in classes:
+        lst = draining.get(c.idx)
+        if not lst:
+            continue
+        a = cy.alloc[c.idx]
+        for m in lst:
+            if m.id in awaited:
+                continue
+            awaited.add(m.id)
+            n.remaining = _sub(n.remaining, a)
+            if not any(n.remaining):
+                return True
+    return False
 
 
 def _phase2(cy: _Cycle, rows: list[_N], config: EngineConfig, stats: dict[str, int]
@@ -952,7 +1029,7 @@ def _phase2(cy: _Cycle, rows: list[_N], config: EngineConfig, stats: dict[str, i
             lst = victim_order(ix, c.idx, bounds, tier_key)
             if lst:
                 lists.append(lst)
-        if not lists:
+        if _await_draining(cy, n, classes) or not lists:
             continue
 
         def take(m: Machine, vprio: int, n: _N = n) -> None:

@@ -98,6 +98,9 @@ class Index:
     #: class idx → CONFIGURED machines of every cluster (Phase-2 victim candidates), id order
     configured_by_class: dict[int, list[Machine]] = field(default_factory=dict)
     configured_count: dict[str, int] = field(default_factory=dict)
+    #: class idx → DRAINING machines, id order (capacity on its way back to the pool: Phase 2
+    #: counts it before choosing another victim)
+    draining_by_class: dict[int, list[Machine]] = field(default_factory=dict)
     #: capacity type → IDLE machines (release candidates)
     idle_by_type: dict[int, list[Machine]] = field(default_factory=dict)
     class_of_shape: dict[MachineShape, int] = field(default_factory=dict)
@@ -140,6 +143,7 @@ def build_index(machines: Iterable[Machine]) -> Index:
     pool = ix.pool
     bound = ix.bound
     idle_s, spec_s, conf_s, cing_s, crea_s = S.IDLE, S.SPECULATIVE, S.CONFIGURED, S.CONFIGURING, S.CREATING
+    drain_s = S.DRAINING
     for c in classes:
         ci = c.idx
         by_state: dict[MachineState, list[Machine]] = {}
@@ -188,6 +192,8 @@ def build_index(machines: Iterable[Machine]) -> Index:
                     for m in group:
                         if m.cluster:
                             cc[m.cluster] = cc.get(m.cluster, 0) + 1
+            elif st is drain_s:
+                ix.draining_by_class[ci] = group
             elif st is crea_s:
                 for m in group:
                     fp = m.assignment.need_fingerprint
@@ -204,8 +210,9 @@ def build_index(machines: Iterable[Machine]) -> Index:
     for group_map in (ix.creating, ix.reserved_idle, ix.idle_by_type):
         for lst in group_map.values():
             lst.sort(key=_ID)
-    for lst in ix.configured_by_class.values():
-        lst.sort(key=_ID)
+    for by_class in (ix.configured_by_class, ix.draining_by_class):
+        for lst in by_class.values():
+            lst.sort(key=_ID)
     return ix
 
 
@@ -309,6 +316,11 @@ def _apply(ix: Index, m: Machine, ci: int, add: bool) -> None:
                     ix.configured_count[cluster] = n
                 else:
                     ix.configured_count.pop(cluster, None)
+    elif st is S.DRAINING:
+        lst = ix.draining_by_class.setdefault(ci, [])
+        op(lst, m, id_key)
+        if not lst:
+            del ix.draining_by_class[ci]
     elif st is S.CREATING:
         fp = m.assignment.need_fingerprint
         if fp:

@@ -22,9 +22,9 @@ import grpc
 from bigfleet.decision.types import Configure, Create, Decision, Drain, EngineConfig
 from bigfleet.observability import new_registry
 from bigfleet.provider.fake.backend import Dwell, FaultPlan, FaultRule
-from bigfleet.provider.fake.catalog import build_catalog
+from bigfleet.provider.fake.catalog import Tier, build_catalog
 from bigfleet.provider.fake.sim import SimProvider, SimStub
-from bigfleet.provider.kit.model import Kind
+from bigfleet.provider.kit.model import CapacityType, Kind
 from bigfleet.provider.kit.server import KitOptions
 from bigfleet.shard.daemon import DaemonConfig, ShardDaemon
 from bigfleet.shard.executor import ExecutorConfig
@@ -38,6 +38,10 @@ from bigfleet.v1alpha1 import capacity_pb2, provider_pb2, shard_pb2
 
 S = provider_pb2.MachineState
 EPOCH_NS = 1_767_225_600 * 10**9  # 2026-01-01T00:00:00Z: virtual wall clock origin
+#: the quota slots of `Scenario.rack_slots`: on-demand 8-vCPU machines, alternating over two racks
+RACK_SLOT_TIER = Tier("edge", "m5.2xlarge", CapacityType.ON_DEMAND, 0.384, 0.0, ("us-east-1a",),
+                      {"cpu": "8", "memory": "32Gi", "pods": "110"}, {"cpu": "7500m", "memory": "30Gi", "pods": "110"},
+                      racks=("edge-rack-a", "edge-rack-b"), billing="on-demand")
 BLOB = b"#cloud-config\n# simulated bootstrap\n"
 
 
@@ -48,7 +52,11 @@ class RecordingStub(SimStub):
         super().__init__(sim)
         self._clock = clock
         self._on_change = on_change
+        #: Creates started per machine over the whole run (totals)
         self.creates_started: Counter[str] = Counter()
+        #: Creates started per machine in its current lifetime: a machine deleted back to Speculative
+        #: starts a new one, so a later Create of it is not a double create
+        self.lifetime_creates: Counter[str] = Counter()
 
     def sync(self) -> None:
         now = self._clock()
@@ -57,7 +65,15 @@ class RecordingStub(SimStub):
                 self._observe(c.machine_id)
 
     def _observe(self, machine_id: str) -> None:
-        self._on_change(machine_id, -1, int(self.sim.core.machines[machine_id].state))
+        self.note_change(machine_id, -1, int(self.sim.core.machines[machine_id].state))
+
+    def note_change(self, machine_id: str, before: int, after: int) -> None:
+        if after == S.MACHINE_STATE_SPECULATIVE:
+            self.lifetime_creates.pop(machine_id, None)
+        elif after == S.MACHINE_STATE_CREATING and before != after:
+            self.creates_started[machine_id] += 1
+            self.lifetime_creates[machine_id] += 1
+        self._on_change(machine_id, before, after)
 
     async def _call(self, fn: Any, req: Any) -> Any:
         self.sync()
@@ -67,9 +83,7 @@ class RecordingStub(SimStub):
         if before is not None:
             after = int(self.sim.core.machines[mid].state)
             if after != before:
-                self._on_change(mid, before, after)
-                if after == S.MACHINE_STATE_CREATING:
-                    self.creates_started[mid] += 1
+                self.note_change(mid, before, after)
         return out
 
 
@@ -216,12 +230,16 @@ class Simulator:
         self.trace: list[str] = []
         self.stats: list[CycleStats] = []
         self.totals: Counter[str] = Counter()
+        #: machines failed by ``lose`` faults, in order
+        self.lost: list[str] = []
 
     # -- wiring ------------------------------------------------------------------------------------
 
     def _build(self) -> None:
         sc = self.sc
         catalog = build_catalog(sc.speculative, sc.committed)
+        if sc.rack_slots:
+            catalog += build_catalog(sc.rack_slots, 0, elastic=(RACK_SLOT_TIER,))
         timeout = 3 * sc.execute_timeout
         self.provider = SimProvider(
             catalog, dwell=Dwell(sc.dwell.create, sc.dwell.configure, sc.dwell.drain, sc.dwell.delete),
@@ -281,7 +299,19 @@ class Simulator:
                 self._disconnect(self.clusters[f.cluster])
             elif f.kind == "reconnect" and f.cluster in self.clusters:
                 self._connect(self.clusters[f.cluster])
+            elif f.kind == "lose":
+                self._lose(f.cluster)
             self._emit({"cycle": cycle, "fault": f.kind, "cluster": f.cluster, "kinds": sorted(f.kinds)})
+
+    def _lose(self, cluster: str | None) -> None:
+        """Fail the cluster's lowest-id Configured machine (a host loss); counted in `lost`."""
+        self.stub.sync()
+        ids = sorted(mid for mid, rec in self.provider.core.machines.items()
+                     if int(rec.state) == S.MACHINE_STATE_CONFIGURED and (cluster is None or rec.cluster == cluster))
+        if ids:
+            before, after = self.provider.lose(ids[0])
+            self.stub.note_change(ids[0], before, after)
+            self.lost.append(ids[0])
 
     def _churn(self, cycle: int) -> None:
         """Soak churn: redraw every cluster's workloads (sizes, priorities, lifetimes)."""
@@ -324,7 +354,7 @@ class Simulator:
         for c in self.clusters.values():
             c.pump()
         demand = {cid: c.demand_machines(cycle) for cid, c in self.clusters.items()}
-        self.checker.after_cycle(cycle, self.loop.time(), self.provider, sh.view, demand, self.stub.creates_started,
+        self.checker.after_cycle(cycle, self.loop.time(), self.provider, sh.view, demand, self.stub.lifetime_creates,
                                  need_bounds=self._need_bounds(),
                                  cluster_nodes={cid: c.nodes for cid, c in self.clusters.items()},
                                  guard_held=frozenset(c for c in self.clusters if sh.intake.guard.held(c)))

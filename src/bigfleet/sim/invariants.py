@@ -127,6 +127,8 @@ class InvariantChecker:
                 if mid in owners:
                     self._v("one-cluster", f"{mid} is a Configured node of both {owners[mid]} and {cluster}")
                 owners[mid] = cluster
+        # `creates`: Creates started per machine in its current lifetime (a machine deleted back to
+        # Speculative and created again later is a new lifetime, not a double create)
         for mid, n in creates.items():
             if n > 1 and MachineState(int(machines[mid].state)) == MachineState.CREATING:
                 self._v("no-double-create", f"{mid} has {n} Creates started and is CREATING")

@@ -79,7 +79,8 @@ class Workload:
 class Fault:
     """At cycle ``at``: ``fail``/``hang`` provider transitions (optionally of one cluster, some kinds, or
     at a seeded ``rate``), ``clear`` the provider faults, ``disconnect``/``reconnect`` a cluster's
-    operator session."""
+    operator session, ``lose`` one Configured machine of a cluster (the lowest id: it drains and ends
+    FAILED, a host failure)."""
 
     at: int
     kind: str
@@ -87,7 +88,7 @@ class Fault:
     kinds: tuple[str, ...] = ()
     rate: float = 0.0
 
-    KINDS = ("fail", "hang", "clear", "disconnect", "reconnect", "fail_rate")
+    KINDS = ("fail", "hang", "clear", "disconnect", "reconnect", "fail_rate", "lose")
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,9 @@ class Scenario:
     reclaim_cap_fraction: float = 0.05
     #: random churn (soak): every ``churn_every`` cycles each cluster's workloads are re-drawn
     churn_every: int = 0
+    #: SPECULATIVE quota slots on two racks (RACK_LABEL; harness.RACK_SLOT_TIER): what a rack gang can
+    #: be provisioned on (the default catalog has racks only on committed hosts)
+    rack_slots: int = 0
 
 
 def _workload(d: dict[str, Any]) -> Workload:
@@ -135,7 +139,7 @@ def _workload(d: dict[str, Any]) -> Workload:
 def from_dict(d: dict[str, Any], name: str = "custom") -> Scenario:
     """Build a scenario from parsed YAML; unknown keys are errors so typos do not pass silently."""
     known = {"name", "cycles", "seed", "inventory", "clusters", "cycle_seconds", "execute_timeout", "dwell",
-             "faults", "reclaim_cap_fraction", "churn_every"}
+             "faults", "reclaim_cap_fraction", "churn_every", "rack_slots"}
     extra = set(d) - known
     if extra:
         raise ScenarioError(f"unknown keys: {sorted(extra)}")
@@ -159,6 +163,7 @@ def from_dict(d: dict[str, Any], name: str = "custom") -> Scenario:
         execute_timeout=float(d.get("execute_timeout", 20.0)),
         dwell=Dwells(**{k: float(v) for k, v in dw.items()}), faults=tuple(faults),
         reclaim_cap_fraction=float(d.get("reclaim_cap_fraction", 0.05)), churn_every=int(d.get("churn_every", 0)),
+        rack_slots=int(d.get("rack_slots", 0)),
     )
 
 
@@ -246,6 +251,19 @@ def _gang_beside_service() -> Scenario:
     })
 
 
+def gang_member_loss() -> Scenario:
+    """A rack gang on racked quota slots (4 per rack) whose members are lost one at a time while a
+    create takes five cycles. The first and third losses are replaced on the gang's own rack (the
+    Creating replacement counts for it); the second finds its rack exhausted and moves once (two
+    reclaims). Before the fix every loss moved the gang, and it flapped between the racks while
+    its replacements were still being created."""
+    losses = tuple(Fault(at, "lose", cluster="ml") for at in (20, 50, 80))
+    return Scenario("gang-member-loss", cycles=110, committed=0, speculative=0, rack_slots=8,
+                    dwell=Dwells(create=10.0), faults=losses, clusters={
+                        "ml": (Workload("train", pods=3, cpu=7.5, priority=1000, gang_rack=True),),
+                    })
+
+
 # Scenarios that still break an invariant, with why (pinned as strict xfails in tests/sim).
 # Empty: "gang-beside-service" (need swapping between a gang and a sibling need) was fixed by the
 # engine crediting gangs first within a priority level (EngineConfig.gangs_credit_first).
@@ -260,6 +278,7 @@ BUILTIN: dict[str, Any] = {
     "training-job-topology": _training_topology,
     "mixed-fleet": lambda: mixed_fleet(6, 80),
     "gang-beside-service": _gang_beside_service,
+    "gang-member-loss": gang_member_loss,
 }
 
 

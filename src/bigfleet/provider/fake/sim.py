@@ -118,6 +118,16 @@ class SimProvider:
         recs, rev = self.core.list(list(req.states), req.max_results, bytes(req.since_revision), self.rng)
         return pb.MachineList(machines=[r.to_proto() for r in recs], revision=str(rev).encode())
 
+    def lose(self, machine_id: str, error: str = "simulated host loss") -> tuple[int, int]:
+        """A Configured machine lost under its cluster (a host failure nobody asked for): it drains
+        for the drain dwell and ends FAILED with `error`. Returns its (before, after) states."""
+        before = int(self.core.machines[machine_id].state)
+        ack = self.core.mutate(Kind.DRAIN, machine_id, Fence())
+        self._seq += 1
+        heapq.heappush(self._due, _Due(self.now + self.dwell.of(Kind.DRAIN), self._seq, machine_id, Kind.DRAIN,
+                                       ack.operation_id, error))
+        return before, int(self.core.machines[machine_id].state)
+
     # ---- time ------------------------------------------------------------------------------------
 
     def next_due(self) -> float | None:
