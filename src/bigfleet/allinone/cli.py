@@ -6,6 +6,10 @@ The wiring is production's: each simulated operator is given the coordinator add
 operator's resolver, so ``bigfleetctl`` sees every cluster bound. The shard serves the read-only
 dashboard on loopback. Start-up prints the dashboard URL and the ``bigfleetctl`` commands to try.
 
+``--aws-emulator`` makes the pool span two providers: the fake provider's bare metal and the AWS
+provider's on-demand and spot instances against a local moto server (needs ``pip install ./providers/aws
+'moto[server]'``); the shard prices them together, so Idle bare metal is used first.
+
 The demand comes from a built-in workload scenario (steady services, batch bursts, a rack gang,
 spot-tolerant jobs, a priority spike that forces preemption, withdrawals) or ``--scenario FILE``
 (the simulator's YAML format; one scenario cycle = one ``--tick``).
@@ -50,6 +54,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="auto: run every hop with mTLS, certificates issued by a local CA into --tls-dir")
     p.add_argument("--tls-dir", default="",
                    help="PKI directory for --tls auto (default <workdir>/pki); an existing ca.crt/ca.key is reused")
+    p.add_argument("--aws-emulator", action="store_true",
+                   help="one pool across two providers: the fake provider's bare metal plus on-demand and spot "
+                        "from the AWS provider (bigfleet-provider-aws) against a local moto server")
     p.add_argument("--dashboard-port", type=int, default=0, metavar="PORT",
                    help="port of the shard's read-only dashboard on 127.0.0.1 (default: a free port)")
     a = p.parse_args(argv)
@@ -61,7 +68,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--dashboard-port must be 0 (a free port) or a port number")
     if a.dashboard_port and not _port_free(a.dashboard_port):
         p.error(f"--dashboard-port {a.dashboard_port}: 127.0.0.1:{a.dashboard_port} is already in use")
+    if a.aws_emulator:
+        missing = [what for mod, what in (("bigfleet_provider_aws", "the AWS provider (pip install ./providers/aws)"),
+                                          ("moto.server", "moto's server (pip install 'moto[server]')"))
+                   if not _importable(mod)]
+        if missing:
+            p.error("--aws-emulator needs " + " and ".join(missing))
     return a
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # the parent package is missing
+        return False
 
 
 def _port_free(port: int) -> bool:
@@ -114,6 +136,7 @@ class Snapshot:
     restarts: dict[str, int] = field(default_factory=dict)
     shards_registered: int = -1  # -1: the coordinator did not answer
     bindings: dict[str, str] | None = None  # cluster -> shard on the coordinator; None: it did not answer
+    pool: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (provider, capacity, state) -> n
 
     def bound(self, ops: list[WireOperator]) -> int:
         """How many of these clusters the coordinator has placed on a shard."""
@@ -130,6 +153,16 @@ def bound_report(ops: list[WireOperator]) -> tuple[int, int]:
     return configured, sum(1 for n in owners.values() if n > 1)
 
 
+def pool_lines(pool: dict[tuple[str, str, str], int]) -> list[str]:
+    """One line per (provider, capacity type): how many are configured, idle and in total."""
+    groups: dict[tuple[str, str], Counter[str]] = {}
+    for (prov, cap, state), n in pool.items():
+        groups.setdefault((prov, cap), Counter())[state] += n
+    return [f"{prov} {cap}: configured {c['configured']}, idle {c['idle']}, "
+            f"in flight {c['creating'] + c['configuring'] + c['draining'] + c['deleting']} of {sum(c.values())}"
+            for (prov, cap), c in sorted(groups.items())]
+
+
 def render_plain(s: Snapshot, ops: list[WireOperator]) -> str:
     st = " ".join(f"{k}={s.states.get(k, 0)}" for k in STATES if s.states.get(k, 0))
     acts = " ".join(f"{k}={v}" for k, v in sorted(s.actions_last.items())) or "-"
@@ -137,7 +170,8 @@ def render_plain(s: Snapshot, ops: list[WireOperator]) -> str:
     return (f"[{s.elapsed:6.1f}s] cycle={s.cycle} machines={s.total} {st} | needs={s.needs} "
             f"demand~{s.demand} machines shortfalls={s.shortfalls} in-flight={s.inflight} | "
             f"actions since last: {acts} | clusters connected={s.connected} bound={bound} | "
-            f"coordinator shards={s.shards_registered}")
+            f"coordinator shards={s.shards_registered}"
+            + (" | pool: " + "; ".join(pool_lines(s.pool)) if len({k[0] for k in s.pool}) > 1 else ""))
 
 
 def render_rich(s: Snapshot, ops: list[WireOperator], duration: float, subtitle: str = "") -> Any:
@@ -172,7 +206,19 @@ def render_rich(s: Snapshot, ops: list[WireOperator], duration: float, subtitle:
                    str(sum(1 for st in m.nodes.values() if st == 5)), str(op.bootstraps), str(op.reclaims))
     if len(ops) > 12:
         cl.caption = f"... and {len(ops) - 12} more clusters"
-    return Panel(Group(head, inv, acts, cl), title="BigFleet all-in-one", subtitle=subtitle or None)
+    parts: list[Any] = [head, inv, acts]
+    if len({k[0] for k in s.pool}) > 1:
+        pool = Table(title="One pool across providers", expand=True)
+        for col in ("provider", "capacity", "configured", "idle", "in flight", "total"):
+            pool.add_column(col, justify="left" if col in ("provider", "capacity") else "right")
+        groups: dict[tuple[str, str], Counter[str]] = {}
+        for (prov, cap, state), n in s.pool.items():
+            groups.setdefault((prov, cap), Counter())[state] += n
+        for (prov, cap), c in sorted(groups.items()):
+            pool.add_row(prov, cap, str(c["configured"]), str(c["idle"]),
+                         str(c["creating"] + c["configuring"] + c["draining"] + c["deleting"]), str(sum(c.values())))
+        parts.append(pool)
+    return Panel(Group(*parts, cl), title="BigFleet all-in-one", subtitle=subtitle or None)
 
 
 def summary(s: Snapshot, ops: list[WireOperator], wall: float) -> str:
@@ -190,6 +236,7 @@ def summary(s: Snapshot, ops: list[WireOperator], wall: float) -> str:
              "coordinator: " + ("not answering" if s.shards_registered < 0
                                 else f"leader, {s.shards_registered} shard(s) registered"
                                 + ("" if s.bindings is None else f", {s.bound(ops)} of {len(ops)} clusters bound")),
+             *(["pool: " + "; ".join(pool_lines(s.pool))] if len({k[0] for k in s.pool}) > 1 else []),
              "daemon restarts: " + (", ".join(f"{k} {v}" for k, v in s.restarts.items() if v) or "none"),
              "result: " + ("OK" if s.double_assigned == 0 else "PROBLEM (a machine is claimed by two clusters)")]
     return "\n".join(lines)
@@ -210,6 +257,9 @@ async def observe(fleet: Fleet, ops: list[WireOperator], cycle: int, started: fl
         s.shards_registered = await fleet.shards_registered()
     with contextlib.suppress(Exception):
         s.bindings = await fleet.bindings()
+    if len(fleet.providers) > 1:
+        with contextlib.suppress(Exception):
+            s.pool = await fleet.pool()
     for k, v in s.metrics.items():
         if k.startswith("actions:"):
             d = int(v - prev.get(k, 0))
@@ -227,10 +277,16 @@ async def run(args: argparse.Namespace, scenario: Scenario) -> int:
     spec = FleetSpec(committed=scenario.committed, speculative=scenario.speculative,
                      cycle_interval=max(0.5, args.tick), tls=args.tls == "auto",
                      pki_dir=Path(args.tls_dir) if args.tls_dir else None,
-                     cluster_ids=tuple(sorted(scenario.clusters)), dashboard_port=args.dashboard_port)
+                     cluster_ids=tuple(sorted(scenario.clusters)), dashboard_port=args.dashboard_port,
+                     aws_emulator=args.aws_emulator)
     fleet = Fleet(spec)
-    print(f"starting coordinator, fake provider ({scenario.committed} hosts + {scenario.speculative} quota slots) "
-          f"and shard; logs in {spec.workdir / 'logs'}", flush=True)
+    if spec.aws_emulator:
+        print(f"starting coordinator, fake provider ({scenario.committed} bare-metal hosts), moto and the AWS "
+              f"provider (~{scenario.speculative} on-demand and spot slots) and shard; logs in "
+              f"{spec.workdir / 'logs'}", flush=True)
+    else:
+        print(f"starting coordinator, fake provider ({scenario.committed} hosts + {scenario.speculative} quota "
+              f"slots) and shard; logs in {spec.workdir / 'logs'}", flush=True)
     if spec.tls:
         print(f"mTLS on every hop; certificates in {spec.pki} (bigfleetctl: --tls-cert {spec.pki / 'admin.crt'} "
               f"--tls-key {spec.pki / 'admin.key'} --tls-ca {spec.pki / 'ca.crt'}, before the command)", flush=True)
@@ -251,8 +307,10 @@ async def run(args: argparse.Namespace, scenario: Scenario) -> int:
             ops.append(WireOperator(SimCluster(cid, ws), SimCoordinatorResolver(cid, fleet.coordinators, tls), tls))
         for op in ops:
             op.start()
+        provs = ", ".join(f"{n} {a}" if n else a for n, a in fleet.providers.items())
         print(f"fleet up: shard {fleet.addrs['shard']}, coordinator {fleet.addrs['coordinator']}, "
-              f"provider {fleet.addrs['provider']}; {len(ops)} simulated clusters placed through the coordinator"
+              f"provider{'s' if len(fleet.providers) > 1 else ''} {provs}; {len(ops)} simulated clusters placed "
+              "through the coordinator"
               + (" (mTLS)" if spec.tls else ""), flush=True)
         dashboard_up = await asyncio.to_thread(fleet.wait_dashboard)
         print(f"dashboard: {fleet.dashboard_url}" if dashboard_up else

@@ -7,24 +7,31 @@ operator, ``admin`` for the coordinator and for this process's own reads, ``read
 provider's server side.
 
 The shard serves the read-only dashboard (``--http-listen``) on loopback: ``dashboard_url``.
+
+With ``aws_emulator`` the pool spans two providers (docs/shard.md, one pool across providers): the
+fake provider offers only its bare metal (``--cloud onprem``) and the AWS provider
+(``bigfleet-provider-aws``, a separate package) offers on-demand and spot against a moto server
+started here; the shard is given both (``--provider metal=... --provider aws=...``).
 """
 
 from __future__ import annotations
 
 import secrets
+import sys
 import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from bigfleet.process import ManagedProcess, free_port
 from bigfleet.security import TLSConfig, dial, dial_sync
 from bigfleet.security.certs import make_local_pki
-from bigfleet.v1alpha1 import shardread_pb2, shardread_pb2_grpc
+from bigfleet.v1alpha1 import provider_pb2, provider_pb2_grpc, shardread_pb2, shardread_pb2_grpc
 
 SHARD_ID = "shard-1"
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes through a proxy
@@ -45,6 +52,8 @@ class FleetSpec:
     cluster_ids: tuple[str, ...] = ()
     # The shard's dashboard port on 127.0.0.1 (0: a free one).
     dashboard_port: int = 0
+    # Bare metal from the fake provider plus on-demand/spot from the AWS provider on a local moto.
+    aws_emulator: bool = False
 
     @property
     def pki(self) -> Path:
@@ -58,6 +67,20 @@ class Fleet:
     addrs: dict[str, str] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
     argv: dict[str, list[str]] = field(default_factory=dict)
+    # Daemons that are not `bigfleet` subcommands (moto, the AWS provider): argv is the whole command.
+    external: set[str] = field(default_factory=set)
+
+    @property
+    def providers(self) -> dict[str, str]:
+        """The shard's providers: name -> address ("" names the single provider of the plain fleet)."""
+        if self.spec.aws_emulator:
+            return {METAL: self.addrs["provider"], AWS: self.addrs["aws"]}
+        return {"": self.addrs["provider"]}
+
+    def _spawn(self, name: str, log_dir: Path) -> ManagedProcess:
+        if name in self.external:
+            return ManagedProcess(self.argv[name], name, log_dir=log_dir).start()
+        return ManagedProcess.bigfleet(self.argv[name], name, log_dir=log_dir).start()
 
     def _addr(self) -> str:
         return f"127.0.0.1:{free_port()}"
@@ -89,12 +112,29 @@ class Fleet:
         if sp.tls:
             make_local_pki(sp.pki, clusters=sp.cluster_ids, shards=(SHARD_ID,))
         self.argv["provider"] = [
-            "fake-provider", "--listen", self.addrs["provider"], "--seed-count", str(sp.speculative),
+            "fake-provider", "--listen", self.addrs["provider"],
             "--state-file", str(sp.workdir / "provider-state.json"),  # a restarted provider keeps its machines
+            *(["--cloud", "onprem", "--seed-count", "0"] if sp.aws_emulator else ["--seed-count", str(sp.speculative)]),
             "--committed-count", str(sp.committed), "--create-delay", str(c), "--configure-delay", str(cf),
             "--drain-delay", str(dr), "--delete-delay", str(de), "--log-format", "console", "--log-level", "warning",
             *self.tls_flags("readonly"),
         ]
+        order = ["provider", "coordinator", "shard"]
+        if sp.aws_emulator:
+            self.addrs["moto"], self.addrs["aws"] = f"127.0.0.1:{free_port()}", self._addr()
+            host, _, port = self.addrs["moto"].partition(":")
+            self.argv["moto"] = [sys.executable, "-m", "moto.server", "-H", host, "-p", port]
+            cfg = sp.workdir / "aws-emulator.yaml"
+            cfg.write_text(yaml.safe_dump(aws_emulator_config(f"http://{self.addrs['moto']}", sp.speculative)))
+            self.argv["aws"] = [
+                sys.executable, "-m", "bigfleet_provider_aws", "--config", str(cfg), "--listen", self.addrs["aws"],
+                "--state-file", str(sp.workdir / "aws-provider-state.json"), "--reconcile-interval", "5",
+                "--log-format", "console", "--log-level", "warning", *self.tls_flags("readonly"),
+            ]
+            self.external |= {"moto", "aws"}
+            order = ["moto", "provider", "aws", "coordinator", "shard"]
+        provider_flags = [f for name, addr in self.providers.items()
+                          for f in ("--provider", f"{name}={addr}" if name else addr)]
         self.argv["coordinator"] = [
             "coordinator", "--node-id", "coord-1", "--listen", self.addrs["coordinator"],
             "--raft-bind", self.addrs["raft"], "--data-dir", str(sp.workdir / "coordinator"),
@@ -102,18 +142,36 @@ class Fleet:
             "--log-format", "console", "--log-level", "warning", *self.tls_flags("admin"),
         ]
         self.argv["shard"] = [
-            "shard", "--shard-id", SHARD_ID, "--listen", self.addrs["shard"], "--provider", self.addrs["provider"],
+            "shard", "--shard-id", SHARD_ID, "--listen", self.addrs["shard"], *provider_flags,
             "--coordinator", self.addrs["coordinator"], "--data-dir", str(sp.workdir / "shard"),
             "--metrics-listen", self.addrs["shard-metrics"], "--http-listen", self.addrs["dashboard"],
             "--cycle-interval", str(sp.cycle_interval),
             "--execute-timeout", str(sp.execute_timeout), "--heartbeat-interval", "2",
             "--log-format", "console", "--log-level", "warning", *self.tls_flags(f"shard-{SHARD_ID}"),
         ]
-        for name in ("provider", "coordinator", "shard"):
-            self.procs[name] = ManagedProcess.bigfleet(self.argv[name], name, log_dir=logs).start()
+        for name in order:
+            self.procs[name] = self._spawn(name, logs)
             self.restarts[name] = 0
-            self._wait_up(name)
+            if name == "moto":
+                self._wait_moto()
+            else:
+                self._wait_up(name)
         self._wait_registered()
+
+    def _wait_moto(self, timeout: float = 60.0) -> None:
+        deadline, p = time.monotonic() + timeout, self.procs["moto"]
+        while True:
+            if not p.alive():
+                raise RuntimeError(f"moto exited during start-up:\n{p.logs()[-2000:]}")
+            try:
+                with _NO_PROXY.open(f"http://{self.addrs['moto']}/moto-api/", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except Exception:  # not listening yet
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"moto not answering after {timeout:g}s:\n{p.logs()[-2000:]}")
+            time.sleep(0.2)
 
     @property
     def coordinators(self) -> tuple[str, ...]:
@@ -184,17 +242,28 @@ class Fleet:
         for name, p in self.procs.items():
             if not p.alive():
                 self.restarts[name] += 1
-                self.procs[name] = ManagedProcess.bigfleet(self.argv[name], name, log_dir=p.log_dir).start()
+                self.procs[name] = self._spawn(name, p.log_dir or self.spec.workdir / "logs")
                 out.append(name)
         return out
 
     def stop(self) -> None:
-        for name in ("shard", "coordinator", "provider"):
+        for name in ("shard", "coordinator", "aws", "provider", "moto"):
             p = self.procs.get(name)
             if p is not None:
                 p.stop()
 
     # -- what the view reads -----------------------------------------------------------------------
+
+    async def pool(self) -> dict[tuple[str, str, str], int]:
+        """(provider, capacity type, state) -> machines, read from each provider (one pool, several sources)."""
+        out: dict[tuple[str, str, str], int] = {}
+        for name, addr in self.providers.items():
+            async with dial(addr, self.tls_for(f"shard-{SHARD_ID}")) as ch:
+                lst = await provider_pb2_grpc.CapacityProviderStub(ch).List(provider_pb2.ListFilter(), timeout=10)
+            for m in lst.machines:
+                key = (name or "provider", _capacity(m.capacity_type), _state(m.state))
+                out[key] = out.get(key, 0) + 1
+        return out
 
     async def counts(self) -> shardread_pb2.InventoryCounts:
         async with dial(self.addrs["shard"], self.tls_for("admin")) as ch:
@@ -242,3 +311,34 @@ class Fleet:
                     key = f"outcome:{s.labels.get('kind', '')}:{s.labels.get('outcome', '')}"
                     out[key] = s.value
         return out
+
+
+METAL, AWS = "metal", "aws"
+
+
+def _capacity(v: int) -> str:
+    return provider_pb2.CapacityType.Name(v).removeprefix("CAPACITY_TYPE_").lower().replace("_", "-")  # type: ignore[arg-type]
+
+
+def _state(v: int) -> str:
+    return provider_pb2.MachineState.Name(v).removeprefix("MACHINE_STATE_").lower()  # type: ignore[arg-type]
+
+
+def aws_emulator_config(endpoint_url: str, slots: int) -> dict[str, object]:
+    """The AWS provider's configuration for a local moto server: m5.2xlarge on-demand and spot in three
+    zones (the fake provider's bare metal is the same 8-vCPU shape), ``slots`` in all."""
+    zones = ["us-east-1a", "us-east-1b", "us-east-1c"]
+    return {
+        "provider_name": "aws-emulator",
+        "region": "us-east-1",
+        "endpoint_url": endpoint_url,
+        "emulator_credentials": True,  # moto accepts any key; used only when the boto3 chain has none
+        "launch": {"image_id": "ami-1e749f67", "tags": {"bigfleet.lucy.sh/all-in-one": "true"}},
+        "supply": {"pools": [{"instance_types": ["m5.2xlarge"], "zones": zones,
+                              "capacity_types": ["on-demand", "spot"],
+                              "slots": max(1, -(-slots // (2 * len(zones))))}]},
+        "system_reserve": {"cpu": "100m", "memory": "512Mi", "max_pods": 110},
+        "pricing": {"on_demand": {"m5.2xlarge": 0.384}, "spot_fallback_fraction": 0.35},
+        "interruption": {"default_probability": 0.05},
+        "api": {"poll_seconds": 0.05, "max_attempts": 3},
+    }

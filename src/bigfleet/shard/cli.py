@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--execute-timeout", type=float)
     p.add_argument("--execute-concurrency", type=int)
     p.add_argument("--reconcile-interval", type=float)
+    p.add_argument("--provider-start-grace", type=float, metavar="SECONDS",
+                   help="with several providers: how long a new leader waits for all of them to answer before "
+                        "deciding on those that did (default 15)")
     p.add_argument("--available-capacity-interval", type=float)
     p.add_argument("--available-capacity-rate", type=float,
                    help="AvailableCapacityUpdate frames written per second, shard-wide (0: unpaced)")
@@ -169,6 +172,7 @@ def daemon_config(settings: ShardSettings, epoch: int) -> DaemonConfig:
         min_cycle_gap=settings.min_cycle_gap,
         reconcile_interval=settings.reconcile_interval,
         full_reconcile_every=settings.full_reconcile_every,
+        provider_start_grace=settings.provider_start_grace,
         available_capacity_interval=settings.available_capacity_interval,
         available_capacity_rate=settings.available_capacity_rate,
         executor=ExecutorConfig(

@@ -30,6 +30,7 @@ class ShardSettings(BaseSettings):
     execute_concurrency: int = Field(256, ge=1)  # provider mutations + bootstrap pulls in flight
     reclaim_ack_timeout: float = Field(10.0, gt=0)
     reconcile_interval: float = Field(1.0, ge=0)
+    provider_start_grace: float = Field(15.0, ge=0)
     full_reconcile_every: int = Field(300, ge=1)  # a full List at 500k machines is ~100 MB
     available_capacity_interval: float = Field(5.0, ge=0)
     available_capacity_rate: float = Field(1000.0, ge=0)  # hint frames per second, shard-wide; 0 = unpaced

@@ -63,6 +63,9 @@ class DaemonConfig:
     heap_settle_interval: float = 1.0
     reconcile_interval: float = 1.0
     full_reconcile_every: int = 300
+    # With several providers: how long a new term waits for all of them to answer a first List
+    # before deciding on those that did (bigfleet.shard.reconcile).
+    provider_start_grace: float = 15.0
     available_capacity_interval: float = 5.0
     # AvailableCapacityUpdate frames written per second, shard-wide (0: as soon as decided).
     available_capacity_rate: float = 1000.0
@@ -192,7 +195,8 @@ class ShardDaemon:
                                          metrics, config.wall_ns)
         self.handoff = ShardHandoff(self, self.log, config.epoch, mode=config.ownership, coordinator=coordinator)
         self.reconciler = Reconciler(self.view, self.provider, self.executor, self.handoff.owns, self._drop_machine,
-                                     metrics, config.clock, config.reconcile_interval, config.full_reconcile_every)
+                                     metrics, config.clock, config.reconcile_interval, config.full_reconcile_every,
+                                     config.provider_start_grace)
         self.dispatcher = Dispatcher(self.view, self.executor, metrics, self.budgets, self.frozen_clusters,
                                      self.frozen_machines,
                                      self.store.has_rolled_up, config.wall_ns, config.executor.execute_timeout,

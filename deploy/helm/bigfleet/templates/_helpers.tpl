@@ -62,14 +62,52 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s-fake-provider.%s:%d" (include "bigfleet.fullname" .) (include "bigfleet.svcSuffix" .) (int .Values.fakeProvider.port) -}}
 {{- end -}}
 
-{{/* Provider address every shard dials; fails the render when none is configured. */}}
+{{/* Provider address every shard dials; fails the render when none is configured. With
+shard.providers set it is empty: bigfleet.providerFlags renders one --provider per entry. */}}
 {{- define "bigfleet.providerAddress" -}}
+{{- if .Values.shard.providers -}}
 {{- if .Values.shard.provider.address -}}
+{{- fail "set shard.provider.address or shard.providers, not both" -}}
+{{- end -}}
+{{- else if .Values.shard.provider.address -}}
 {{- .Values.shard.provider.address -}}
 {{- else if .Values.fakeProvider.enabled -}}
 {{- include "bigfleet.fakeProvider.address" . -}}
 {{- else -}}
 {{- fail "shard.provider.address is required (or set fakeProvider.enabled=true for a demo install)" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The shard's --provider flags, one per line: the single address, or NAME=ADDRESS for every entry of
+shard.providers (one pool across providers, docs/shard.md). */}}
+{{- define "bigfleet.providerFlags" -}}
+{{- if .Values.shard.providers -}}
+{{- $seen := dict -}}
+{{- range $p := .Values.shard.providers -}}
+{{- if not (regexMatch "^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$" (toString $p.name)) -}}
+{{- fail (printf "shard.providers: name %q must be 1-32 lowercase letters, digits or '-'" (toString $p.name)) -}}
+{{- end -}}
+{{- if hasKey $seen $p.name -}}
+{{- fail (printf "shard.providers: name %q is given twice" $p.name) -}}
+{{- end -}}
+{{- $_ := set $seen $p.name true -}}
+{{- $addr := $p.address | default "" -}}
+{{- if $p.fakeProvider -}}
+{{- if not $.Values.fakeProvider.enabled -}}
+{{- fail (printf "shard.providers[%s].fakeProvider needs fakeProvider.enabled=true" $p.name) -}}
+{{- end -}}
+{{- if $addr -}}
+{{- fail (printf "shard.providers[%s]: set address or fakeProvider, not both" $p.name) -}}
+{{- end -}}
+{{- $addr = include "bigfleet.fakeProvider.address" $ -}}
+{{- end -}}
+{{- if not $addr -}}
+{{- fail (printf "shard.providers[%s].address (host:port) is required" $p.name) -}}
+{{- end }}
+--provider={{ $p.name }}={{ $addr }}
+{{- end -}}
+{{- else }}
+--provider={{ include "bigfleet.providerAddress" . }}
 {{- end -}}
 {{- end -}}
 
