@@ -5,6 +5,7 @@ in front of each provider show which provider every call went to."""
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -106,6 +107,7 @@ async def test_bare_metal_first_both_configured_restarts_and_one_provider_down()
             shard.proc.stop()
         metal.stop()
         cloud.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 async def _more(have: int, want: int) -> bool:
