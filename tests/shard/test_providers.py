@@ -202,3 +202,15 @@ async def test_ownership_mode_holds_per_provider() -> None:
         assert "shared/aws-00000" not in ids and "own/aws-00000" in ids
     finally:
         await d.stop(drain_timeout=0.2)
+
+
+def test_a_malformed_provider_flag_is_a_clear_cli_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from bigfleet.shard.cli import main
+
+    for argv, why in ((["--provider", "metal=host", "--provider", "aws=h:1"], "expected HOST:PORT, got 'host'"),
+                      (["--provider", "h:1", "--provider", "aws=h:2"], "several providers need a name each")):
+        with pytest.raises(SystemExit) as ei:
+            main(argv)
+        assert ei.value.code == 2
+        err = capsys.readouterr().err
+        assert "--provider: " in err and why in err, err

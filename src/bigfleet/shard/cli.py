@@ -118,6 +118,13 @@ def main(argv: list[str]) -> int:
 
     parser = build_parser()
     ns = parser.parse_args(argv)
+    if ns.provider:
+        from bigfleet.shard.providers import parse_provider_specs
+
+        try:
+            parse_provider_specs(ns.provider)  # (the settings check it again with file and environment values)
+        except ValueError as exc:
+            parser.error(f"--provider: {exc}")
     tls = tls_from_args_or_exit(parser, ns)
     args = vars(ns)
     for k in [k for k in args if k.startswith("tls_")]:
