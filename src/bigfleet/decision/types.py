@@ -54,6 +54,18 @@ class EngineConfig:
     paused: bool = False
     #: compute everything, emit nothing (actions are reported as dry-run)
     dry_run: bool = False
+    #: consolidation (decision/consolidation.py), a phase after Phase 3; off unless enabled here or
+    #: for a cluster in `consolidation_overrides` ((cluster, on) pairs, which win)
+    consolidation: bool = False
+    consolidation_overrides: tuple[tuple[str, bool], ...] = ()
+    #: a move must save more than this fraction of the effective $/h it replaces ...
+    consolidation_margin: float = 0.10
+    #: ... and repay its price (reclamation penalty + the old machine's drain grace) within this many hours
+    consolidation_payback_hours: float = 24.0
+    #: consolidate drains (machines to retire) a cluster may have decided per cycle
+    consolidation_max_moves: int = 4
+    #: (cluster, consolidate disruptions its budget allows now), from the shard; unlisted: no limit
+    consolidation_room: tuple[tuple[str, int], ...] = ()
 
 
 # --------------------------------------------------------------------------------------------
@@ -159,6 +171,7 @@ REASON_SPECULATIVE = "phase1.speculative"
 REASON_PREEMPT = "preempt"
 REASON_RECLAIM = "reclaim"
 REASON_RELEASE = "release"
+REASON_CONSOLIDATE = "consolidate"
 
 
 @dataclass(frozen=True)
@@ -202,7 +215,7 @@ class Drain:
     cluster_id: str
     grace_period_seconds: int
     preemptor_priority: int
-    reason: Literal["reclaim", "preempt"]
+    reason: Literal["reclaim", "preempt", "consolidate"]
     kind: Literal["drain"] = "drain"
 
 
@@ -307,6 +320,10 @@ class PhaseStats:
     actions_truncated: int = 0
     clusters_recomputed: int = 0
     clusters_reused: int = 0
+    #: consolidation: replacements acquired, machines it retires, and the $/h its decided moves save
+    consolidation_replacements: int = 0
+    consolidation_drains: int = 0
+    consolidation_savings_per_hour: float = 0.0
 
 
 @dataclass(frozen=True)

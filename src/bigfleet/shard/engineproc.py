@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import IO, Any
 
 from bigfleet.decision import Engine
+from bigfleet.decision.consolidation import after_decide
 from bigfleet.decision.types import Decision, EngineConfig, EngineState
 from bigfleet.machine import Inventory, Machine
 from bigfleet.needs import Need, NeedsTable
@@ -229,6 +230,7 @@ class WorkerCore:
             needs = [n for c in self.needs.clusters() if c not in fc for n in self.needs.cluster(c)]
             machines = [m for m in self.inventory.machines() if m.id not in fm and m.cluster not in fc]
         decision = self.engine.decide(needs, machines, req.now, self.state, req.config)
+        decision = after_decide(self.engine, decision, needs, self.state, req.config)  # (consolidation)
         # Hints for every requirement set in demand (the shard sends those of connected clusters),
         # from the free counts the engine's index keeps: O(machine classes), not a fleet walk.
         all_needs: Iterable[Need] = needs if isinstance(needs, list) else \

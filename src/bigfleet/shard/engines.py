@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from bigfleet.decision import Engine
+from bigfleet.decision.consolidation import after_decide
 from bigfleet.decision.types import Decision, EngineConfig, EngineState
 from bigfleet.needs import Need, NeedsTable
 from bigfleet.observability import get_logger
@@ -95,6 +96,7 @@ class InlineEngine:
         busy = frozenset(inputs.view.inflight)
         connected = [n for n in snapshot if inputs.connected(n.cluster_id)]
         decision = self.engine.decide(snapshot, machines, inputs.now_unix_nanos, inputs.state, inputs.config)
+        decision = after_decide(self.engine, decision, snapshot, inputs.state, inputs.config)  # (consolidation)
         hints = availability.compute(connected, machines, busy)
         return CycleOutput(decision, hints, snapshot=snapshot)
 
