@@ -203,8 +203,8 @@ class ShardDaemon:
                                      chunked=not config.compute_inline)
         self.engine: EngineBackend = engine_backend(config.mode, metrics, config.engine_timeout, config.engine_nice)
         self.heap = HeapSettler(metrics, config.clock, config.heap_settle_interval)
-        self.retirer = Retirer(self.provider, self.executor, metrics, config.clock,
-                               timeout=3 * config.executor.execute_timeout)
+        self.retirer = Retirer(self.provider, self.executor, self.view, self.log, config.epoch, metrics, config.clock,
+                               config.wall_ns, timeout=3 * config.executor.execute_timeout)
         self.servicer = SessionServicer(self.sessions, self.handle_rollup, self._ack_info, self.resync,
                                         refuse_cluster=self.handoff.refusal, hold_cluster=self.handoff.hold,
                                         on_registration_timeout=self.verdicts.registration_timeout)
@@ -251,7 +251,8 @@ class ShardDaemon:
     def _registration_failed(self, machine_id: str, cluster_id: str, node: str) -> None:
         """A machine failed for a registration timeout: decide its replacement now, hand it back."""
         self.trigger()
-        self.retirer.retire(machine_id, cluster_id, node)
+        pb = self.view.get(machine_id)
+        self.retirer.retire(machine_id, cluster_id, node, pb.last_error if pb is not None else "RegistrationTimeout")
 
     def _demand_changed(self, cluster_id: str) -> None:
         self.hints.changed(cluster_id)
@@ -395,6 +396,7 @@ class ShardDaemon:
 
     async def _start_loops(self) -> None:
         await self.reconciler.initial(self._stopping)
+        self.retirer.resume()  # (hand-backs an earlier leader started; needs the reconciled view)
         if not self.config.compute_inline:
             # Reconcile on its own task: a cycle never waits on a provider List (a full one at 500k
             # machines takes seconds to serve), it decides on the view as last merged.
