@@ -7,8 +7,9 @@ import json
 import pytest
 
 from bigfleet.decision import Drain, EngineConfig, EngineState, UnmetReason, normalize
-from bigfleet.decision.engine import _Bucket, choose_same_bucket
 from bigfleet.decision.index import build_index
+from bigfleet.decision.same_domain import DomainBucket as _Bucket
+from bigfleet.decision.same_domain import choose_same_bucket
 from bigfleet.machine import CapacityType
 from bigfleet.needs import Need, PenaltyBucket
 

@@ -278,11 +278,11 @@ def test_incremental_engine_matches_fresh_decide(ms: list[Machine], ns1: list[Ne
 def test_bulk_crediting_equals_machine_by_machine(ms: list[Machine], ns: list[Need], ready: frozenset[str]) -> None:
     from unittest import mock
 
-    from bigfleet.decision import engine as eng_mod
+    from bigfleet.decision import credit
 
     fast = _decide(ns, ms, ready)
-    with mock.patch.object(eng_mod, "_band_hold", lambda *a: False), \
-            mock.patch.object(eng_mod, "_bulk_hold", lambda *a: False):
+    with mock.patch.object(credit, "_band_hold", lambda *a: False), \
+            mock.patch.object(credit, "_bulk_hold", lambda *a: False):
         slow = _decide(ns, ms, ready)
     assert fast == slow
 
@@ -305,11 +305,11 @@ def homogeneous_fleet(draw: st.DrawFn) -> list[Machine]:
 def test_bulk_crediting_equals_machine_by_machine_on_dense_classes(ms: list[Machine], ns: list[Need]) -> None:
     from unittest import mock
 
-    from bigfleet.decision import engine as eng_mod
+    from bigfleet.decision import credit
 
     ready = frozenset(CLUSTERS)
     fast = _decide(ns, ms, ready, EngineConfig(reclaim_cap_fraction=0))
-    with mock.patch.object(eng_mod, "_band_hold", lambda *a: False), \
-            mock.patch.object(eng_mod, "_bulk_hold", lambda *a: False):
+    with mock.patch.object(credit, "_band_hold", lambda *a: False), \
+            mock.patch.object(credit, "_bulk_hold", lambda *a: False):
         slow = _decide(ns, ms, ready, EngineConfig(reclaim_cap_fraction=0))
     assert fast == slow

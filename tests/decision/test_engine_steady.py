@@ -182,7 +182,7 @@ def test_free_pool_changes_recompute_only_clusters_whose_folding_depends_on_them
 
 def _one_at_a_time(cy, n, state, c):  # type: ignore[no-untyped-def]
     """The reference `_bulk_take` replaces: head, take, subtract, per machine."""
-    from bigfleet.decision import engine as eng_mod
+    from bigfleet.decision import vec
 
     key = (state, c.idx)
     while any(n.remaining):
@@ -191,18 +191,18 @@ def _one_at_a_time(cy, n, state, c):  # type: ignore[no-untyped-def]
             return
         cy.take(m, n, key)
         (n.acquired_idle if state == IDLE else n.acquired_spec).append(m)
-        n.remaining = eng_mod._sub(n.remaining, cy.alloc[c.idx])
+        n.remaining = vec.vsub(n.remaining, cy.alloc[c.idx])
 
 
 def _bulk_acquire_check(ms: list[Machine], ns: list[Need], ready: frozenset[str]) -> None:
     from unittest import mock
 
-    from bigfleet.decision import engine as eng_mod
+    from bigfleet.decision import acquire as acquire_mod
 
     from .test_engine_properties import _decide
 
     fast = _decide(ns, ms, ready)
-    with mock.patch.object(eng_mod, "_bulk_take", _one_at_a_time):
+    with mock.patch.object(acquire_mod, "_bulk_take", _one_at_a_time):
         slow = _decide(ns, ms, ready)
     assert fast == slow
 
@@ -222,7 +222,7 @@ def test_bulk_acquisition_equals_machine_by_machine() -> None:
 def test_fast_built_actions_equal_constructed_ones() -> None:
     import pickle
 
-    from bigfleet.decision import engine as eng_mod
+    from bigfleet.decision import records
 
     m = machine("x1")
     reqs = (Requirement(TYPE_KEY, Operator.IN, ("t",)),)
@@ -230,8 +230,8 @@ def test_fast_built_actions_equal_constructed_ones() -> None:
                "interruption_penalty_dollars": 64.0, "reclamation_penalty_dollars": 0.0, "requirements": reqs,
                "group": "g"}
     out: list[object] = []
-    eng_mod._fast_each(Create, [m], {**fields_, "reason": "speculative", "kind": "create"}, out)
-    eng_mod._fast_each(Configure, [m], {**fields_, "reason": "idle", "kind": "configure"}, out)
+    records.build_each(Create, [m], {**fields_, "reason": "speculative", "kind": "create"}, out)
+    records.build_each(Configure, [m], {**fields_, "reason": "idle", "kind": "configure"}, out)
     want = [Create("x1", "c", "fp", 7, 64.0, 0.0, reqs, "g", "speculative"),
             Configure("x1", "c", "fp", 7, 64.0, 0.0, reqs, "g", "idle")]
     assert out == want
@@ -261,7 +261,7 @@ def test_bulk_acquisition_skips_machines_claimed_by_reservations() -> None:
     pool list a later acquisition sweeps: they are skipped, exactly as one-at-a-time picking does."""
     from unittest import mock
 
-    from bigfleet.decision import engine as eng_mod
+    from bigfleet.decision import acquire as acquire_mod
 
     from .fx import need, profile
 
@@ -271,7 +271,7 @@ def test_bulk_acquisition_skips_machines_claimed_by_reservations() -> None:
     ms = [machine(f"i{i}", S.IDLE, fp=fp_a if i in (1, 2) else "") for i in range(6)]
     state = EngineState(first_rollup=frozenset({"a", "b"}))
     fast = decide([a, b], Inventory(ms), NOW, state, EngineConfig())
-    with mock.patch.object(eng_mod, "_bulk_take", _one_at_a_time):
+    with mock.patch.object(acquire_mod, "_bulk_take", _one_at_a_time):
         slow = decide([a, b], Inventory(ms), NOW, state, EngineConfig())
     assert fast == slow
     assert [(x.machine_id, x.cluster_id) for x in fast.actions] == [

@@ -140,67 +140,10 @@ def build_index(machines: Iterable[Machine]) -> Index:
         c.idx = i
         ix.class_of_shape[c.shape] = i
     ix.classes = classes
+    for c in classes:
+        _index_class(ix, c, shapes[c.shape])
     pool = ix.pool
     bound = ix.bound
-    idle_s, spec_s, conf_s, cing_s, crea_s = S.IDLE, S.SPECULATIVE, S.CONFIGURED, S.CONFIGURING, S.CREATING
-    drain_s = S.DRAINING
-    for c in classes:
-        ci = c.idx
-        by_state: dict[MachineState, list[Machine]] = {}
-        for m in shapes[c.shape]:
-            lst = by_state.get(m.state)
-            if lst is None:
-                by_state[m.state] = [m]
-            else:
-                lst.append(m)
-        free = 0
-        for st, group in by_state.items():
-            if st is idle_s or st is spec_s:
-                n_cl = sum(1 for m in group if m.cluster)
-                if n_cl:
-                    ix.pool_clustered[(int(st), ci)] = n_cl
-            if st is idle_s:
-                pool[(IDLE, ci)] = group
-                ix.idle_by_type.setdefault(int(c.capacity_type), []).extend(group)
-                for m in group:
-                    fp = m.assignment.need_fingerprint
-                    if fp:
-                        ix.reserved_idle.setdefault(fp, []).append(m)
-                free += len(group)
-            elif st is spec_s:
-                pool[(SPEC, ci)] = group
-                free += len(group)
-            elif st is conf_s or st is cing_s:
-                sti = int(st)
-                for m in group:
-                    cluster = m.cluster
-                    if cluster:
-                        cb = bound.get(cluster)
-                        if cb is None:
-                            cb = bound[cluster] = {}
-                        sb = cb.get(sti)
-                        if sb is None:
-                            sb = cb[sti] = {}
-                        lst = sb.get(ci)
-                        if lst is None:
-                            sb[ci] = [m]
-                        else:
-                            lst.append(m)
-                if st is conf_s:
-                    ix.configured_by_class[ci] = group
-                    cc = ix.configured_count
-                    for m in group:
-                        if m.cluster:
-                            cc[m.cluster] = cc.get(m.cluster, 0) + 1
-            elif st is drain_s:
-                ix.draining_by_class[ci] = group
-            elif st is crea_s:
-                for m in group:
-                    fp = m.assignment.need_fingerprint
-                    if fp:
-                        ix.creating.setdefault(fp, []).append(m)
-        if free:
-            ix.free_count[ci] = free
     for lst in pool.values():
         _sort(lst, pool_key)
     for cb in bound.values():
@@ -214,6 +157,70 @@ def build_index(machines: Iterable[Machine]) -> Index:
         for lst in by_class.values():
             lst.sort(key=_ID)
     return ix
+
+
+def _index_class(ix: Index, c: MClass, machines: list[Machine]) -> None:
+    """File one class's machines by state (lists are sorted by the caller, once, at the end)."""
+    pool = ix.pool
+    bound = ix.bound
+    idle_s, spec_s, conf_s, cing_s, crea_s = S.IDLE, S.SPECULATIVE, S.CONFIGURED, S.CONFIGURING, S.CREATING
+    drain_s = S.DRAINING
+    ci = c.idx
+    by_state: dict[MachineState, list[Machine]] = {}
+    for m in machines:
+        lst = by_state.get(m.state)
+        if lst is None:
+            by_state[m.state] = [m]
+        else:
+            lst.append(m)
+    free = 0
+    for st, group in by_state.items():
+        if st is idle_s or st is spec_s:
+            n_cl = sum(1 for m in group if m.cluster)
+            if n_cl:
+                ix.pool_clustered[(int(st), ci)] = n_cl
+        if st is idle_s:
+            pool[(IDLE, ci)] = group
+            ix.idle_by_type.setdefault(int(c.capacity_type), []).extend(group)
+            for m in group:
+                fp = m.assignment.need_fingerprint
+                if fp:
+                    ix.reserved_idle.setdefault(fp, []).append(m)
+            free += len(group)
+        elif st is spec_s:
+            pool[(SPEC, ci)] = group
+            free += len(group)
+        elif st is conf_s or st is cing_s:
+            sti = int(st)
+            for m in group:
+                cluster = m.cluster
+                if cluster:
+                    cb = bound.get(cluster)
+                    if cb is None:
+                        cb = bound[cluster] = {}
+                    sb = cb.get(sti)
+                    if sb is None:
+                        sb = cb[sti] = {}
+                    lst = sb.get(ci)
+                    if lst is None:
+                        sb[ci] = [m]
+                    else:
+                        lst.append(m)
+            if st is conf_s:
+                ix.configured_by_class[ci] = group
+                cc = ix.configured_count
+                for m in group:
+                    if m.cluster:
+                        cc[m.cluster] = cc.get(m.cluster, 0) + 1
+        elif st is drain_s:
+            ix.draining_by_class[ci] = group
+        elif st is crea_s:
+            for m in group:
+                fp = m.assignment.need_fingerprint
+                if fp:
+                    ix.creating.setdefault(fp, []).append(m)
+    if free:
+        ix.free_count[ci] = free
 
 
 _ID = attrgetter("id")

@@ -1,0 +1,103 @@
+"""Normalisation: fold Same gangs whose whole aggregate fits on one machine into plain needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from bigfleet.needs import Need, Operator, Profile, Requirement, Resources
+
+from .index import (
+    CONFIGURED,
+    CONFIGURING,
+    Index,
+)
+
+
+def _strip_same(p: Profile) -> Profile:
+    return Profile(
+        tuple(r for r in p.requirements if r.operator is not Operator.SAME),
+        p.spread,
+        p.priority,
+        p.interruption_bucket,
+        p.reclamation_bucket,
+        "",
+    )
+
+
+def normalize(needs: Sequence[Need], ix: Index, free_classes: set[int] | None = None
+              ) -> tuple[list[tuple[Need, list[Need]]], int]:
+    """Fold Same needs whose whole aggregate fits on one machine into plain needs.
+
+    See `normalize_rows` (which also says whether the free pool decided any fold).
+    """
+    out, folded, _ = normalize_rows(needs, ix, free_classes)
+    return out, folded
+
+
+def normalize_rows(needs: Sequence[Need], ix: Index, free_classes: set[int] | None = None
+               ) -> tuple[list[tuple[Need, list[Need]]], int, bool]:
+    """Fold Same needs whose whole aggregate fits on one machine into plain needs.
+
+    A gang that fits on one machine cannot be split across domains, so co-location is automatic;
+    folding keeps the machine-exclusive claim ledger honest (two sub-machine gangs share one
+    machine instead of each claiming one). A gang is foldable when some machine matching its
+    profile covers the whole aggregate: one of its own cluster's bound machines, or any Idle or
+    Speculative machine. Returns (need, original members) rows, the count of folded gangs, and
+    whether any fold decision depended on the free pool (no own bound class settled it): only
+    then does a cached result of these needs go stale when the free pool changes.
+    """
+    out: list[tuple[Need, list[Need]]] = []
+    groups: dict[tuple[str, str, Resources], list[Need]] = {}
+    stripped: dict[tuple[str, str, Resources], Profile] = {}
+    strip_memo: dict[tuple[Any, ...], Profile] = {}
+    if free_classes is None:
+        free_classes = {ci for (_st, ci) in ix.pool}
+    own_memo: dict[str, set[int]] = {}
+    memo: dict[tuple[str, tuple[Requirement, ...], Resources], bool] = {}
+    folded = 0
+    free_dependent = False
+    for n in needs:
+        p = n.profile
+        if p.same is None or n.aggregate_resources.is_zero():
+            out.append((n, [n]))
+            continue
+        agg = n.aggregate_resources
+        mk = (n.cluster_id, p.requirements, agg)
+        ok = memo.get(mk)
+        if ok is None:
+            ok = False
+            own_classes = own_memo.get(n.cluster_id)
+            if own_classes is None:
+                own = ix.bound.get(n.cluster_id, {})
+                own_classes = set(own.get(CONFIGURED, {})) | set(own.get(CONFIGURING, {}))
+                own_memo[n.cluster_id] = own_classes
+            fitting = [c.idx for c in ix.matched_classes(p.requirements) if agg.fits_in(c.alloc)]
+            if any(ci in own_classes for ci in fitting):
+                ok = True
+            else:
+                free_dependent = True
+                ok = any(ci in free_classes for ci in fitting)
+            memo[mk] = ok
+        if not ok:
+            out.append((n, [n]))
+            continue
+        sk = (p.requirements, p.spread, p.priority, p.interruption_bucket, p.reclamation_bucket)
+        sp = strip_memo.get(sk)
+        if sp is None:
+            sp = strip_memo[sk] = _strip_same(p)
+        gk = (n.cluster_id, sp.fingerprint(), agg)
+        stripped[gk] = sp
+        groups.setdefault(gk, []).append(n)
+        folded += 1
+    for gk in sorted(groups, key=lambda k: (k[0], k[1], k[2].items())):
+        members = groups[gk]
+        agg = gk[2]
+        minu = agg
+        for m in members:
+            minu = minu.max(m.min_unit)
+        arrivals = [m.arrival_unix_nanos for m in members if m.arrival_unix_nanos]
+        out.append((Need(gk[0], stripped[gk], agg.scale(len(members)), minu, min(arrivals) if arrivals else 0),
+                    members))
+    return out, folded, free_dependent

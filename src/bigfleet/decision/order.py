@@ -1,0 +1,68 @@
+"""The precedence order and the two Phase-1 passes that run in it (credit, then acquire).
+
+Needs are processed in one total order (priority desc, interruption bucket desc, reclamation
+bucket desc, arrival, cluster, fingerprint; `NeedRow.order`): the sequential equivalent of the
+upstream broker's "as if one pass in priority order".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from bigfleet.needs import Need, NeedsTable
+from bigfleet.needs.penalty import bucket_dollars
+
+from .acquire import acquire, acquire_spread
+from .credit import credit_plain
+from .same_domain import credit_same
+from .scratch import CycleScratch, NeedRow
+from .types import (
+    EngineState,
+)
+
+
+def needs_by_cluster(needs: Sequence[Need] | NeedsTable) -> dict[str, tuple[Need, ...]]:
+    if isinstance(needs, NeedsTable):
+        return {c: needs.cluster(c) for c in needs.clusters()}
+    out: dict[str, list[Need]] = {}
+    for n in needs:
+        lst = out.get(n.cluster_id)
+        if lst is None:
+            out[n.cluster_id] = [n]
+        else:
+            lst.append(n)
+    return {c: tuple(v) for c, v in out.items()}
+
+
+def credit_all(cy: CycleScratch, rows: list[NeedRow], state: EngineState, gangs_first: bool = False) -> None:
+    """Pass 1: credit bound supply (and in-flight reservations) in precedence order.
+
+    With `gangs_first`, within one priority level the Same gangs credit before plain needs: a plain
+    need can use any matching machine, a gang only the ones in its domain, so letting the plain
+    need go first can take a gang's own machines and make it re-acquire elsewhere (need swapping).
+    """
+    if gangs_first:
+        rows = sorted(rows, key=lambda r: (-r.prio, r.same is None))  # stable: precedence order within
+    for n in rows:
+        if n.same is not None:
+            credit_same(cy, n, state.same_domains.get(n.park_key))
+        else:
+            credit_plain(cy, n)
+
+
+def acquire_all(cy: CycleScratch, rows: list[NeedRow]) -> None:
+    """Pass 2: acquire Idle then Speculative for what is left, in precedence order."""
+    for n in rows:
+        if not any(n.remaining) or n.parked:
+            continue
+        penalty = bucket_dollars(n.ib)
+        classes = cy.eligible(n)
+        if n.same is not None:
+            if not n.same_domain:
+                continue
+            dom_classes = next((cl for v, cl in cy.domains(n, n.same.key) if v == n.same_domain), [])
+            acquire(cy, n, dom_classes, penalty)
+        elif n.spreads:
+            acquire_spread(cy, n, classes, penalty)
+        else:
+            acquire(cy, n, classes, penalty)

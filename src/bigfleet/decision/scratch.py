@@ -1,0 +1,203 @@
+"""The per-need row and the per-cycle scratch state that every phase reads and writes.
+
+Neither escapes one `decide` call; a cached cluster keeps its rows, never the scratch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from operator import attrgetter
+from typing import Any
+
+from bigfleet.machine.record import Machine
+from bigfleet.machine.state import MachineState
+from bigfleet.needs import Need, Operator, Requirement, TopologySpread
+
+from .index import (
+    Index,
+    MClass,
+)
+from .vec import Vec, covers
+
+MACHINE_ID = attrgetter("id")
+
+
+RECLAMATION_STAMP = attrgetter("assignment.reclamation_penalty_dollars")
+
+
+CONFIGURED_STATE = MachineState.CONFIGURED
+
+
+class NeedRow:
+    """One (normalised) need being decided, plus its per-cycle results."""
+
+    __slots__ = (
+        "acquired_idle",
+        "acquired_spec",
+        "agg",
+        "arrival",
+        "claimed",
+        "cluster",
+        "credited",
+        "fp",
+        "freed",
+        "group",
+        "ib",
+        "key",
+        "members",
+        "minu",
+        "need",
+        "order",
+        "p1_remaining",
+        "park_age",
+        "park_key",
+        "parked",
+        "prio",
+        "rb",
+        "remaining",
+        "reqs",
+        "reserved_credit",
+        "same",
+        "same_domain",
+        "same_sat",
+        "spreads",
+        "unmet_age",
+        "victims",
+    )
+
+    def __init__(self, need: Need, members: list[Need], dims: tuple[str, ...]) -> None:
+        p = need.profile
+        self.need = need
+        self.members = members
+        self.cluster = need.cluster_id
+        self.fp = p.fingerprint()
+        self.reqs = p.requirements
+        self.prio = int(p.priority)
+        self.ib = int(p.interruption_bucket)
+        self.rb = int(p.reclamation_bucket)
+        self.group = p.group
+        same: Requirement | None = None
+        for r in p.requirements:
+            if r.operator is Operator.SAME:
+                same = r
+                break
+        self.same = same
+        #: every DoNotSchedule spread term (a gang's Same supersedes them)
+        self.spreads: tuple[TopologySpread, ...] = (
+            tuple(s for s in p.spread if s.strict) if same is None else ())
+        am = need.aggregate_resources._map
+        self.agg: Vec = tuple([am.get(d, 0) for d in dims])
+        mm = need.min_unit._map
+        self.minu: Vec = tuple([mm.get(d, 0) for d in dims])
+        self.arrival = need.arrival_unix_nanos
+        self.order = (-self.prio, -(self.ib if self.ib > 1 else 1), -(self.rb if self.rb > 1 else 1), self.arrival,
+                      self.cluster, self.fp)
+        self.key = self.cluster + "\x00" + self.fp
+        self.park_key = self.cluster + "\x00" + self.group + "\x00" + self.fp
+        self.parked = False
+        self.park_age = 0
+        self.remaining: Vec = self.agg
+        self.p1_remaining: Vec = self.agg
+        self.reserved_credit = False
+        self.claimed: list[Machine] = []
+        self.credited = 0
+        self.acquired_idle: list[Machine] = []
+        self.acquired_spec: list[Machine] = []
+        self.same_domain = ""
+        self.same_sat = False
+        self.victims = 0
+        self.freed: Vec = tuple([0] * len(dims))
+        self.unmet_age = 0
+
+
+class CycleScratch:
+    """Mutable scratch state of one `decide` call (never escapes it)."""
+
+    def __init__(self, ix: Index, dims: tuple[str, ...], reservations: Mapping[str, str]) -> None:
+        self.ix = ix
+        self.dims = dims
+        self.reservations = reservations
+        self.alloc: list[Vec] = [tuple(c.alloc.get(d) for d in dims) for c in ix.classes]
+        #: claims on pool (Idle/Speculative) and Creating machines
+        self.claim: dict[str, NeedRow] = {}
+        #: cluster → claims on its bound (Configured/Configuring) machines
+        self.held: dict[str, dict[str, NeedRow]] = {}
+        self.bcur: dict[tuple[str, int, int], int] = {}
+        #: cluster → how many of its CONFIGURED machines are held
+        self.hconf: dict[str, int] = {}
+        self.cursor: dict[tuple[int, int], int] = {}
+        self.taken: dict[tuple[int, int], int] = {}
+        self.vused: dict[tuple[int, int], int] = {}
+        #: DRAINING machines already counted against some need's deficit this cycle (Phase 2)
+        self.awaited: set[str] = set()
+        self.zero: Vec = tuple(0 for _ in dims)
+        self._eligible: dict[tuple[tuple[Requirement, ...], Vec], list[MClass]] = {}
+        self._eligible_set: dict[tuple[tuple[Requirement, ...], Vec], set[int]] = {}
+        # Caches keyed by id() of a list also hold that list, so the id cannot be reused by another
+        # object while the entry exists (a hit is also checked by identity).
+        self.ordered_groups: dict[tuple[int, int, float], tuple[list[MClass], list[list[MClass]]]] = {}
+        self.group_heaps: dict[tuple[int, int], tuple[list[MClass], list[tuple[float, str, int]]]] = {}
+        self.band_runs: dict[int, tuple[Any, list[tuple[Vec, list[Machine]]] | None]] = {}
+        self.rcur: dict[tuple[int, int], int] = {}
+        self.merged_keep_order: dict[int, tuple[Any, list[tuple[MClass, Machine]]]] = {}
+        self.mcur: dict[int, int] = {}
+        self._domains: dict[tuple[tuple[Requirement, ...], Vec, str], list[tuple[str, list[MClass]]]] = {}
+        self.bound_lists_memo: dict[tuple[str, int, tuple[Requirement, ...], Vec], list[tuple[MClass, list[Machine]]]] = {}
+
+    # --- pool cursors ---------------------------------------------------------------------------
+
+    def head(self, key: tuple[int, int]) -> Machine | None:
+        lst = self.ix.pool.get(key)
+        if not lst:
+            return None
+        i = self.cursor.get(key, 0)
+        claim = self.claim
+        n = len(lst)
+        while i < n and lst[i].id in claim:
+            i += 1
+        self.cursor[key] = i
+        return lst[i] if i < n else None
+
+    def available(self, key: tuple[int, int]) -> int:
+        lst = self.ix.pool.get(key)
+        if not lst:
+            return 0
+        return len(lst) - self.taken.get(key, 0) - self.vused.get(key, 0)
+
+    def take(self, m: Machine, n: NeedRow, key: tuple[int, int] | None) -> None:
+        self.claim[m.id] = n
+        n.claimed.append(m)
+        if key is not None:
+            self.taken[key] = self.taken.get(key, 0) + 1
+
+    def eligible(self, n: NeedRow) -> list[MClass]:
+        """Classes matching the need's requirements whose allocatable covers its MinUnit (cached)."""
+        k = (n.reqs, n.minu)
+        got = self._eligible.get(k)
+        if got is None:
+            alloc = self.alloc
+            minu = n.minu
+            got = [c for c in self.ix.matched_classes(n.reqs) if covers(alloc[c.idx], minu)]
+            self._eligible[k] = got
+        return got
+
+    def eligible_set(self, n: NeedRow) -> set[int]:
+        k = (n.reqs, n.minu)
+        got = self._eligible_set.get(k)
+        if got is None:
+            got = self._eligible_set[k] = {c.idx for c in self.eligible(n)}
+        return got
+
+    def domains(self, n: NeedRow, key: str) -> list[tuple[str, list[MClass]]]:
+        """Eligible classes grouped by their value of `key` (classes without the key dropped)."""
+        k = (n.reqs, n.minu, key)
+        got = self._domains.get(k)
+        if got is None:
+            by: dict[str, list[MClass]] = {}
+            for c in self.eligible(n):
+                v = c.attrs.get(key)
+                if v is not None:
+                    by.setdefault(v, []).append(c)
+            got = [(v, sorted(cl, key=lambda c: c.sort_key)) for v, cl in sorted(by.items())]
+            self._domains[k] = got
+        return got

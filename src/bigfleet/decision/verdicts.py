@@ -1,0 +1,71 @@
+"""Per-need verdicts (why a need is or is not met) and fast builders for the frozen records.
+"""
+
+from __future__ import annotations
+
+from bigfleet.needs import EMPTY
+
+from .index import (
+    IDLE,
+    SPEC,
+)
+from .records import build_fast
+from .scratch import CycleScratch, NeedRow
+from .types import (
+    MatchingSupply,
+    UnmetReason,
+    Verdict,
+)
+from .vec import to_resources
+
+
+def _matching_supply(cy: CycleScratch, n: NeedRow) -> MatchingSupply:
+    idle = spec = conf = 0
+    for c in cy.eligible(n):
+        idle += len(cy.ix.pool.get((IDLE, c.idx), ()))
+        spec += len(cy.ix.pool.get((SPEC, c.idx), ()))
+        conf += len(cy.ix.configured_by_class.get(c.idx, ()))
+    return MatchingSupply(idle=idle, configured=conf, speculative=spec, capped=False)
+
+
+def unmet_reason(cy: CycleScratch, n: NeedRow, unsat: bool, supply: MatchingSupply | None = None) -> UnmetReason:
+    if not unsat:
+        return UnmetReason.SATISFIED
+    if supply is None:
+        supply = _matching_supply(cy, n)
+    any_supply = (supply.idle + supply.speculative + supply.configured) > 0
+    if n.victims > 0:
+        return UnmetReason.PREEMPTION_EXHAUSTED
+    if not any_supply:
+        return UnmetReason.NO_MATCHING_SUPPLY
+    if n.same is not None and not n.same_sat:
+        return UnmetReason.TOPOLOGY_UNSATISFIABLE
+    return UnmetReason.PRIORITY_STARVED
+
+
+_NO_SUPPLY = MatchingSupply()
+
+
+def need_verdicts(cy: CycleScratch, n: NeedRow, unsat: bool) -> list[Verdict]:
+    supply = _matching_supply(cy, n) if unsat else _NO_SUPPLY
+    members = n.members
+    folded = len(members) > 1 or members[0] is not n.need
+    deficit = to_resources(cy.dims, n.p1_remaining) if unsat else EMPTY
+    reason = unmet_reason(cy, n, unsat, supply) if unsat else UnmetReason.SATISFIED
+    freed = to_resources(cy.dims, n.freed) if n.victims else None
+    into = n.fp if folded else ""
+    common = {
+        "satisfied": not unsat, "deficit": deficit, "claimed_count": len(n.claimed),
+        "bootstrap_count": len(n.acquired_idle), "provision_count": len(n.acquired_spec),
+        "same_domain": n.same_domain, "same_satisfiable": n.same_sat, "parked": n.parked,
+        "parked_age_cycles": n.park_age, "age_cycles_unmet": n.unmet_age if unsat else 0,
+        "unmet_reason": reason, "matching_supply": supply, "victims_found": n.victims,
+        "capacity_freed": freed, "folded_into": into,
+    }
+    out = []
+    for m in members:
+        fields = dict(common)
+        fields["cluster_id"] = m.cluster_id
+        fields["fingerprint"] = m.profile._fingerprint
+        out.append(build_fast(Verdict, fields))
+    return out
