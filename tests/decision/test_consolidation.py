@@ -63,6 +63,7 @@ def test_cheaper_idle_machine_is_configured_and_nothing_drained_yet() -> None:
     ("pinned", [m("new", price=5), m("old", S.CONFIGURED, price=10, cluster="c1", rpd=math.inf)], ON),
     ("move not repaid", [m("new", price=5), m("old", S.CONFIGURED, price=10, cluster="c1", rpd=500)], ON),
     ("replacement on its way", [m("new", price=5), m("busy", S.CONFIGURING, price=5, cluster="c1")], ON),
+    ("a move still draining", [m("new", price=5), m("gone", S.DRAINING, price=10, cluster="c1")], ON),
 ])
 def test_no_move(case: str, ms: list[Machine], config: EngineConfig) -> None:
     base = [] if any(x.id == "old" for x in ms) else [m("old", S.CONFIGURED, price=10, cluster="c1")]
@@ -103,10 +104,10 @@ def test_repack_two_half_empty_machines_onto_one() -> None:
     assert not [a for a in d.actions if isinstance(a, Drain)]
 
 
-def plan_moves_of(d: Decision, needs: list[Need], ms: list[Machine]):  # type: ignore[no-untyped-def]
+def plan_moves_of(d: Decision, needs: list[Need], ms: list[Machine], config: EngineConfig = ON):  # type: ignore[no-untyped-def]
     eng = Engine()
     state = EngineState(first_rollup=frozenset({"c1"}))
-    cfg = replace(ON, on_demand_hold_seconds=None)
+    cfg = replace(config, on_demand_hold_seconds=None)
     base = eng.decide(needs, ms, NOW, state, cfg)
     return plan_moves(base, eng._ix, {"c1": needs}, state, cfg).moves  # type: ignore[arg-type]
 
@@ -152,7 +153,7 @@ def test_properties(fleet: tuple[list[Need], list[Machine], int]) -> None:
     # never raises cost: bound $/h after the decided moves complete is below what it was
     bound = [x for x in ms if x.state is S.CONFIGURED]
     if acquires or drains:
-        plan = plan_moves_of(d, needs, ms)
+        plan = plan_moves_of(d, needs, ms, cfg)
         after = [x for x in bound if x.id not in gone and not any(x.id in mv.old for mv in plan)]
         after += [by_id[a.machine_id] for a in acquires]
         assert cost(after) < cost(bound)

@@ -208,6 +208,8 @@ def test_shard_replica_groups_are_separate_raft_groups(tmp_path: Path) -> None:
         assert _flag(argv, "provider") == "capacity-provider.providers.svc.cluster.local:7700"
         assert _flag(argv, "coordinator") == "fleet-coordinator.bigfleet-system.svc.k8s.internal:7790"
         assert "--dry-run" in argv and "--paused" in argv
+        assert "--consolidation" in argv and _flag(argv, "consolidation-margin") == "0.2"
+        assert _flag(argv, "consolidation-payback-hours") == "168" and _flag(argv, "consolidation-max-moves") == "2"
         assert _flag(argv, "cycle-interval") == "5"
         assert _flag(argv, "reclaim-cap-fraction") == "0.1"
         assert "--no-empty-rollup-guard" in argv
@@ -234,6 +236,7 @@ def test_single_replica_shard_runs_without_raft_and_defaults_stay_quiet() -> Non
     assert shard.script is None
     assert not any(f.startswith("--raft") or f == "--replica-id" for f in shard.flags())
     assert "--dry-run" not in shard.args and "--paused" not in shard.args
+    assert not any(a.startswith("--consolidation") for a in shard.args)  # off by default
     assert not any(a.startswith(("--cycle-interval", "--bootstrap-timeout", "--reclaim-cap")) for a in shard.args)
     assert "--no-empty-rollup-guard" not in shard.args
     assert _flag(shard.args, "provider") == "bigfleet-fake-provider.bigfleet-system.svc.cluster.local:7800"

@@ -16,7 +16,8 @@ roll-up, for needs satisfied this cycle:
   ``consolidate`` (in place of Phase 3's reclaim choice, which keeps machines by price alone and
   would retire a repack's one big machine instead of the several small ones). A need with a machine
   still on its way (Creating, reserved Idle, Configuring) is never retired from: the replacement is
-  CONFIGURED before the old machine's ReclaimInstruction.
+  CONFIGURED before the old machine's ReclaimInstruction. One move per need at a time: a need with a
+  machine Configuring or Draining gets no new replacement.
 
 Never touched: pinned machines (infinite penalties), needs with a strict spread, machines any other
 phase acted on. Retirements stay inside ``consolidation_max_moves`` per cluster and the cluster's
@@ -145,7 +146,9 @@ def _cluster(plan: Plan, ix: Index, c: str, needs: Sequence[Need], satisfied: se
     for lst in bound.get(CONFIGURED, {}).values():
         for m in lst:
             conf.setdefault(m.assignment.need_fingerprint, []).append(m)
+    # A need with a machine on its way in (Configuring) or out (Draining) is mid-move: one at a time.
     pending = {m.assignment.need_fingerprint for lst in bound.get(CONFIGURING, {}).values() for m in lst}
+    pending |= {m.assignment.need_fingerprint for lst in ix.draining_by_class.values() for m in lst if m.cluster == c}
     retire: list[tuple[Need, list[Machine], float]] = []  # (need, machines to drain, $/h saved)
     drop: set[str] = set()
     for n in needs:

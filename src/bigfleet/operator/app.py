@@ -66,6 +66,8 @@ class OperatorConfig:
     # Disruption budget rules (bigfleet.budget grammar) sent in every roll-up: this cluster's own
     # budget, overriding the shard's defaults.
     disruption_budgets: tuple[str, ...] = ()
+    # "on"/"off": this cluster's consolidation switch, overriding the shard's; "" keeps the shard's.
+    consolidation: str = ""
     # "node": an UpcomingNode is Ready only once its Node registered and is Ready, and machines whose
     # Node never registers are reported; "provider": Configured is Ready (for clusters whose machines
     # cannot join, e.g. the development stub bootstrap); "auto": "node" unless the stub is in use.
@@ -289,7 +291,8 @@ class Operator:
         t0 = time.perf_counter()
         items = self.crs.items()
         t1 = time.perf_counter()
-        r = build_rollup(self.cfg.cluster_id, items, time.time_ns(), self.map_cache, self.cfg.disruption_budgets)
+        r = build_rollup(self.cfg.cluster_id, items, time.time_ns(), self.map_cache, self.cfg.disruption_budgets,
+                         self.cfg.consolidation)
         t2 = time.perf_counter()
         self.session.offer_rollup(r.message)
         t3 = time.perf_counter()
@@ -323,7 +326,7 @@ class Operator:
             if not self.session.connected.is_set() or not self.crs.synced.is_set():
                 continue
             r = build_rollup(self.cfg.cluster_id, self.crs.items(), time.time_ns(), self.map_cache,
-                             self.cfg.disruption_budgets)
+                             self.cfg.disruption_budgets, self.cfg.consolidation)
             if demand_fingerprint(r.message) != self._last_fp:
                 try:
                     await self.rollup_now()

@@ -52,6 +52,9 @@ def parser() -> argparse.ArgumentParser:
                     help="this cluster's disruption budget, overriding the shard's defaults (repeatable): "
                          "NODES/WINDOW[;reasons=R,...][;blackout=DAYS HH:MM-HH:MM|...], e.g. 10%%/10m; "
                          "sent in every roll-up")
+    ap.add_argument("--consolidation", default="", choices=["", "on", "off"],
+                    help="this cluster's consolidation switch, overriding the shard's (empty: the shard's); "
+                         "sent in every roll-up (docs/consolidation.md)")
     ap.add_argument("--node-readiness", default="auto", choices=["auto", "node", "provider"],
                     help="node: an UpcomingNode is Ready once its Node registered and is Ready, and machines "
                          "whose Node never registers are reported; provider: Configured means Ready; auto: "
@@ -157,6 +160,7 @@ async def run(args: argparse.Namespace, tls: TLSConfig | None = None) -> int:
         retry_period=args.retry_period,
         tls=tls,
         disruption_budgets=tuple(args.disruption_budget),
+        consolidation=args.consolidation,
         node_readiness=args.node_readiness,
         node_registration_timeout=args.node_registration_timeout_seconds,
         node_ready_timeout=args.node_ready_timeout_seconds,

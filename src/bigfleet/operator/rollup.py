@@ -212,7 +212,7 @@ def need_fingerprint(need: capacity_pb2.CapacityNeed) -> str:
 
 def build_rollup(
     cluster_id: str, crs: Iterable[Mapping[str, Any]], now_unix_nanos: int, cache: MapCache | None = None,
-    disruption_budgets: Iterable[str] = (),
+    disruption_budgets: Iterable[str] = (), consolidation: str = "",
 ) -> Rollup:
     """Fold CR objects into the cluster's full demand. Invalid CRs are skipped, never fatal.
     ``disruption_budgets`` (bigfleet.budget rules) ride on the roll-up as the cluster's own budget."""
@@ -261,6 +261,7 @@ def build_rollup(
         for crkey in members[key]:
             fingerprints[crkey] = fp
     msg.disruption_budgets.extend(disruption_budgets)
+    msg.consolidation = consolidation
     return Rollup(msg, tuple(sorted(ack)), tuple(skipped), included, fingerprints)
 
 
@@ -270,4 +271,5 @@ def demand_fingerprint(msg: capacity_pb2.ClusterCapacityNeeds) -> bytes:
     body = capacity_pb2.ClusterCapacityNeeds(cluster_id=msg.cluster_id)
     body.needs.extend(msg.needs)
     body.disruption_budgets.extend(msg.disruption_budgets)
+    body.consolidation = msg.consolidation
     return body.SerializeToString(deterministic=True)

@@ -11,7 +11,7 @@ limited by the fleet-wide budget only.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from bigfleet.budget import BudgetRule, Disruption, allowance
@@ -62,6 +62,24 @@ class DisruptionBudgets:
     def _keep_after(self, now: int) -> int:
         longest = max((r.window_seconds for r in (*self.defaults, *self.fleet)), default=0.0)
         return now - int(max(longest, MIN_KEEP_SECONDS) * NS)
+
+    def room(self, cluster_ids: Iterable[str], reason: str = "consolidate") -> tuple[tuple[str, int], ...]:
+        """(cluster, how many more ``reason`` disruptions its budget and the fleet's allow now), for
+        clusters some rule limits; the engine plans no more than this (dispatch still checks)."""
+        now = self.wall_ns()
+        past = self.log.read(lambda s: dict(s.disruptions))
+        fleet_left: int | None = None
+        if any(reason in r.reasons for r in self.fleet):
+            fleet_left = allowance(self.fleet, reason, self.view.counts().get(CONFIGURED, 0),
+                                   [d for ds in past.values() for d in ds], now)
+        out = []
+        for c in sorted(cluster_ids):
+            left = allowance(self.rules_for(c), reason, self._configured(c), past.get(c, ()), now)
+            if fleet_left is not None:
+                left = fleet_left if left is None else min(left, fleet_left)
+            if left is not None:
+                out.append((c, left))
+        return tuple(out)
 
     async def admit(self, candidates: Sequence[Candidate]) -> set[str]:
         """The machine ids whose disruption fits every budget now, recorded as dispatched."""

@@ -69,6 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-timeout", type=float, help="seconds before a silent engine worker is replaced")
     p.add_argument("--engine-nice", type=int, help="niceness added to the engine worker (0-19; sessions win the CPU)")
     p.add_argument("--paused", action="store_const", const=True)
+    p.add_argument("--consolidation", action="store_const", const=True,
+                   help="move bound machines onto cheaper supply and repack them onto fewer (off by default; a "
+                        "cluster's operator may turn it on or off for its cluster; docs/consolidation.md)")
+    p.add_argument("--consolidation-margin", type=float,
+                   help="a move must save more than this fraction of the $/h it replaces (default 0.10)")
+    p.add_argument("--consolidation-payback-hours", type=float,
+                   help="a move must repay its reclamation penalty and drain grace within this long (default 24)")
+    p.add_argument("--consolidation-max-moves", type=int,
+                   help="machines a cluster may have retired by consolidation per cycle (default 4; budgets apply)")
     ha = p.add_argument_group("replica group (without --raft-bind the shard is a Raft group of one on loopback)")
     ha.add_argument("--replica-id", help="this replica's name (logs, metrics)")
     ha.add_argument("--raft-bind", help="HOST:PORT of this replica's Raft endpoint (also its Raft identity)")
@@ -195,6 +204,10 @@ def daemon_config(settings: ShardSettings, epoch: int) -> DaemonConfig:
             rollup_guard_enabled=settings.empty_rollup_guard,
             paused=settings.paused,
             dry_run=settings.dry_run,
+            consolidation=settings.consolidation,
+            consolidation_margin=settings.consolidation_margin,
+            consolidation_payback_hours=settings.consolidation_payback_hours,
+            consolidation_max_moves=settings.consolidation_max_moves,
         ),
         guard=GuardConfig(enabled=settings.empty_rollup_guard),
         engine_mode=settings.engine_mode,

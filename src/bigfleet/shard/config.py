@@ -45,6 +45,11 @@ class ShardSettings(BaseSettings):
     empty_rollup_guard: bool = True
     dry_run: bool = False
     paused: bool = False
+    # Consolidation (docs/consolidation.md): off unless set; a cluster's roll-up may override it.
+    consolidation: bool = False
+    consolidation_margin: float = Field(0.10, ge=0, lt=1)
+    consolidation_payback_hours: float = Field(24.0, gt=0)
+    consolidation_max_moves: int = Field(4, ge=1)
     heartbeat_interval: float = Field(10.0, gt=0)
     # Where the decision engine runs (see DaemonConfig.engine_mode).
     engine_mode: Literal["worker", "inline"] = "worker"

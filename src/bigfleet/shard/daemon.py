@@ -309,7 +309,7 @@ class ShardDaemon:
         t0 = time.perf_counter()
         out = await self.engine.decide(CycleInputs(
             self.view, self.store.table, self.store.engine_state(),
-            replace(self.config.engine, paused=self.paused, dry_run=self.dry_run), now,
+            self.engine_config(), now,
             self.frozen_clusters, self.frozen_machines, lambda c: self.sessions.get(c) is not None))
         decision = out.decision
         self._last_compute = time.perf_counter() - t0
@@ -336,6 +336,17 @@ class ShardDaemon:
         if self.engine.settles_heap:
             self.heap.settle()
         return decision
+
+    def engine_config(self) -> EngineConfig:
+        """This cycle's engine settings: the flags, the live actuation switch, and consolidation's
+        per-cluster switches (from roll-ups) and budget room (consolidation.md)."""
+        cfg = replace(self.config.engine, paused=self.paused, dry_run=self.dry_run,
+                      consolidation_overrides=self.intake.consolidation_overrides())
+        over = dict(cfg.consolidation_overrides)
+        if not cfg.consolidation and not any(over.values()):
+            return cfg  # (the default: no walk over clusters)
+        on = [c for c in self.store.table.clusters() if over.get(c, cfg.consolidation)]
+        return replace(cfg, consolidation_room=self.budgets.room(on)) if on else cfg
 
     async def _reconcile_in_cycle(self) -> None:
         """The simulator keeps reconcile inside the cycle so its virtual-clock traces stand."""

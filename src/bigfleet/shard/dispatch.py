@@ -55,6 +55,12 @@ class Dispatcher:
             counter.labels(kind).inc(n)
         for kind, n in Counter(type(a).__name__ for a in decision.actions).items():
             self.metrics.actions.labels(kind).inc(n)
+        st = decision.stats  # consolidation's share (decision/consolidation.py), decided even when paused
+        if st.consolidation_replacements:
+            self.metrics.consolidation_replacements.labels("acquired").inc(st.consolidation_replacements)
+        if st.consolidation_drains:
+            self.metrics.consolidation_replacements.labels("retired").inc(st.consolidation_drains)
+        self.metrics.consolidation_savings.set(st.consolidation_savings_per_hour)
 
     async def dispatch(self, decision: Decision, suppressed_counts: Mapping[str, int] | None = None) -> None:
         self.count(decision, suppressed_counts)
@@ -87,7 +93,7 @@ class Dispatcher:
             # Decided before a handoff froze them: never act on a machine being handed away.
             self.metrics.action_outcomes.labels(type(a).__name__, "frozen_handoff").inc()
             return False
-        if isinstance(a, Drain) and a.reason == "reclaim" and not self.has_rolled_up(a.cluster_id):
+        if isinstance(a, Drain) and a.reason in ("reclaim", "consolidate") and not self.has_rolled_up(a.cluster_id):
             # Phase 3 waits for the cluster's first roll-up: a restart alone never reclaims.
             self.metrics.action_outcomes.labels("Reclaim", "gated_first_rollup").inc()
             return False

@@ -38,7 +38,13 @@ def needs_digest(pb: capacity_pb2.ClusterCapacityNeeds) -> bytes:
     h = hashlib.blake2b(b"\x00".join(n.SerializeToString(deterministic=True) for n in pb.needs), digest_size=16)
     if pb.disruption_budgets:
         h.update(b"\x01" + "\x00".join(pb.disruption_budgets).encode())
+    if pb.consolidation:
+        h.update(b"\x02" + pb.consolidation.encode())
     return h.digest()
+
+
+#: ClusterCapacityNeeds.consolidation values: the cluster's override of the shard's switch
+CONSOLIDATION_VALUES = {"": None, "on": True, "off": False}
 
 
 class RollupIntake:
@@ -61,6 +67,8 @@ class RollupIntake:
         self._quarantine_shown: set[str] = set()
         # each cluster's own disruption budget, when its roll-up carries one
         self._budgets: dict[str, tuple[BudgetRule, ...]] = {}
+        # each cluster's consolidation switch, when its roll-up sets one (replicated with the roll-up)
+        self._consolidation: dict[str, bool] = {}
         for cluster_id, r in restored.rollups.items():
             pb = capacity_pb2.ClusterCapacityNeeds.FromString(r.data)
             self._keep_budget(cluster_id, pb)
@@ -72,6 +80,10 @@ class RollupIntake:
     def budget_for(self, cluster_id: str) -> tuple[BudgetRule, ...] | None:
         return self._budgets.get(cluster_id)
 
+    def consolidation_overrides(self) -> tuple[tuple[str, bool], ...]:
+        """(cluster, on) for every cluster whose roll-up overrides the shard's consolidation switch."""
+        return tuple(sorted(self._consolidation.items()))
+
     def _keep_budget(self, cluster_id: str, pb: capacity_pb2.ClusterCapacityNeeds) -> None:
         try:
             rules = parse_budget(pb.disruption_budgets, self.cycle_seconds)
@@ -81,11 +93,17 @@ class RollupIntake:
             self._budgets[cluster_id] = rules
         else:
             self._budgets.pop(cluster_id, None)
+        on = CONSOLIDATION_VALUES.get(pb.consolidation)
+        if on is None:
+            self._consolidation.pop(cluster_id, None)
+        else:
+            self._consolidation[cluster_id] = on
 
     def forget(self, cluster_id: str) -> None:
         """The cluster left: an identical roll-up after it comes back must apply again."""
         self._digest.pop(cluster_id, None)
         self._budgets.pop(cluster_id, None)
+        self._consolidation.pop(cluster_id, None)
         self.guard.forget(cluster_id)
 
     async def handle(self, cluster_id: str, pb: capacity_pb2.ClusterCapacityNeeds) -> RollupOutcome:
@@ -111,6 +129,8 @@ class RollupIntake:
                 parse_budget(pb.disruption_budgets, self.cycle_seconds)
             except BudgetError as exc:
                 raise ValidationError("disruption_budgets", str(exc)) from None
+            if pb.consolidation not in CONSOLIDATION_VALUES:
+                raise ValidationError("consolidation", f"must be on, off or empty, got {pb.consolidation[:20]!r}")
         except (ValidationError, LimitExceeded) as exc:
             self.metrics.rollups_rejected.labels(cluster_id).inc()
             log.warning("roll-up rejected", cluster=cluster_id, error=str(exc))

@@ -148,10 +148,12 @@ class ShardMetrics:
         )
         self.consolidation_replacements = Counter(
             "bigfleet_shard_consolidation_replacements_total",
-            "Consolidation moves decided (kind: cheaper = onto cheaper supply, repack = onto fewer machines)",
+            "Consolidation decisions (kind: acquired = a cheaper replacement configured or created, retired = a "
+            "machine drained once its replacement is CONFIGURED)",
             ["kind"], registry=r,
         )
         self.consolidation_savings = Gauge(
             "bigfleet_shard_consolidation_savings_dollars_per_hour",
-            "$/hour the last cycle's consolidation plan saves once its moves complete", registry=r,
+            "$/hour the moves consolidation decided in the last cycle save (replacements acquired, machines retired)",
+            registry=r,
         )

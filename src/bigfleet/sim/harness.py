@@ -182,6 +182,8 @@ class CycleStats:
     inflight: int
     demand_machines: int
     configured: int
+    #: $/hour of every machine the provider bills (all but Speculative)
+    cost_per_hour: float = 0.0
 
 
 @dataclass
@@ -260,7 +262,8 @@ class Simulator:
             reconcile_interval=0.0, available_capacity_interval=sc.cycle_seconds,
             executor=ExecutorConfig(concurrency=64, execute_timeout=sc.execute_timeout, bootstrap_timeout=5.0,
                                     reclaim_ack_timeout=5.0, poll_interval=0.5, watch=False),
-            engine=EngineConfig(reclaim_cap_fraction=sc.reclaim_cap_fraction),
+            engine=EngineConfig(reclaim_cap_fraction=sc.reclaim_cap_fraction, consolidation=sc.consolidation,
+                                consolidation_payback_hours=sc.consolidation_payback_hours),
             clock=clock, wall_ns=lambda: EPOCH_NS + int(clock() * 1e9), compute_inline=True,
         )
         client = ProviderClient("in-process", "sim-shard", 1, metrics, stub=self.stub, clock=clock)
@@ -389,6 +392,8 @@ class Simulator:
             states=states, needs=len(self.shard.store.table), shortfalls=len(d.shortfalls) if d else 0,
             inflight=len(self.shard.view.inflight), demand_machines=sum(demand.values()),
             configured=states.get("configured", 0),
+            cost_per_hour=round(sum(m.price_per_hour for m in self.provider.core.machines.values()
+                                    if int(m.state) != S.MACHINE_STATE_SPECULATIVE), 6),
         )
         self.stats.append(st)
         if len(self.stats) > 256:  # soak: keep memory flat

@@ -117,6 +117,9 @@ class Scenario:
     #: SPECULATIVE quota slots on two racks (RACK_LABEL; harness.RACK_SLOT_TIER): what a rack gang can
     #: be provisioned on (the default catalog has racks only on committed hosts)
     rack_slots: int = 0
+    #: consolidation on for every cluster (docs/consolidation.md), and how long a move may take to repay
+    consolidation: bool = False
+    consolidation_payback_hours: float = 24.0
 
 
 def _workload(d: dict[str, Any]) -> Workload:
@@ -139,7 +142,8 @@ def _workload(d: dict[str, Any]) -> Workload:
 def from_dict(d: dict[str, Any], name: str = "custom") -> Scenario:
     """Build a scenario from parsed YAML; unknown keys are errors so typos do not pass silently."""
     known = {"name", "cycles", "seed", "inventory", "clusters", "cycle_seconds", "execute_timeout", "dwell",
-             "faults", "reclaim_cap_fraction", "churn_every", "rack_slots"}
+             "faults", "reclaim_cap_fraction", "churn_every", "rack_slots", "consolidation",
+             "consolidation_payback_hours"}
     extra = set(d) - known
     if extra:
         raise ScenarioError(f"unknown keys: {sorted(extra)}")
@@ -163,7 +167,8 @@ def from_dict(d: dict[str, Any], name: str = "custom") -> Scenario:
         execute_timeout=float(d.get("execute_timeout", 20.0)),
         dwell=Dwells(**{k: float(v) for k, v in dw.items()}), faults=tuple(faults),
         reclaim_cap_fraction=float(d.get("reclaim_cap_fraction", 0.05)), churn_every=int(d.get("churn_every", 0)),
-        rack_slots=int(d.get("rack_slots", 0)),
+        rack_slots=int(d.get("rack_slots", 0)), consolidation=bool(d.get("consolidation", False)),
+        consolidation_payback_hours=float(d.get("consolidation_payback_hours", 24.0)),
     )
 
 
@@ -280,6 +285,23 @@ BUILTIN: dict[str, Any] = {
     "gang-beside-service": _gang_beside_service,
     "gang-member-loss": gang_member_loss,
 }
+
+
+def consolidation() -> Scenario:
+    """Cheap capacity frees up under a service running on expensive on-demand machines: a batch job
+    (another cluster) holds the 8 free committed hosts, so the service lands on on-demand; the job
+    completes, its hosts go back to the pool, and
+    consolidation moves the service onto the committed hosts one machine at a time
+    (create-before-drain), after which the on-demand machines are released. $/hour falls, then stays
+    flat (no move back: every move saves more than the margin)."""
+    return Scenario("consolidation", cycles=70, committed=8, speculative=12, cycle_seconds=20.0,
+                    consolidation=True, consolidation_payback_hours=720.0, clusters={
+                        "batch": (Workload("job", pods=8, cpu=7.5, priority=1000, duration=6),),
+                        "shop": (Workload("web", pods=4, cpu=7.5, priority=100, start=1),),
+                    })
+
+
+BUILTIN["consolidation"] = consolidation
 
 
 def builtin(name: str) -> Scenario:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n bigfleet/v1alpha1/capacity.proto\x12\x11\x62igfleet.v1alpha1\"\x95\x01\n\x14\x43lusterCapacityNeeds\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x1c\n\x14timestamp_unix_nanos\x18\x02 \x01(\x03\x12.\n\x05needs\x18\x03 \x03(\x0b\x32\x1f.bigfleet.v1alpha1.CapacityNeed\x12\x1b\n\x12\x64isruption_budgets\x18\xe9\x07 \x03(\t\"\xb8\x04\n\x0c\x43\x61pacityNeed\x12@\n\x0crequirements\x18\x01 \x03(\x0b\x32*.bigfleet.v1alpha1.NodeSelectorRequirement\x12T\n\x13\x61ggregate_resources\x18\x02 \x03(\x0b\x32\x37.bigfleet.v1alpha1.CapacityNeed.AggregateResourcesEntry\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x31\n\x06spread\x18\x05 \x03(\x0b\x32!.bigfleet.v1alpha1.TopologySpread\x12\x45\n\x1binterruption_penalty_bucket\x18\x06 \x01(\x0e\x32 .bigfleet.v1alpha1.PenaltyBucket\x12\x44\n\x1areclamation_penalty_bucket\x18\x07 \x01(\x0e\x32 .bigfleet.v1alpha1.PenaltyBucket\x12>\n\x08min_unit\x18\x08 \x03(\x0b\x32,.bigfleet.v1alpha1.CapacityNeed.MinUnitEntry\x12\r\n\x05group\x18\t \x01(\t\x1a\x39\n\x17\x41ggregateResourcesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a.\n\x0cMinUnitEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x04\x10\x05\"\x8f\x02\n\x17NodeSelectorRequirement\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x45\n\x08operator\x18\x02 \x01(\x0e\x32\x33.bigfleet.v1alpha1.NodeSelectorRequirement.Operator\x12\x0e\n\x06values\x18\x03 \x03(\t\"\x8f\x01\n\x08Operator\x12\x18\n\x14OPERATOR_UNSPECIFIED\x10\x00\x12\x0f\n\x0bOPERATOR_IN\x10\x01\x12\x13\n\x0fOPERATOR_NOT_IN\x10\x02\x12\x13\n\x0fOPERATOR_EXISTS\x10\x03\x12\x1b\n\x17OPERATOR_DOES_NOT_EXIST\x10\x04\x12\x11\n\rOPERATOR_SAME\x10\x05\"\x93\x02\n\x0eTopologySpread\x12\x14\n\x0ctopology_key\x18\x01 \x01(\t\x12\x10\n\x08max_skew\x18\x02 \x01(\x05\x12O\n\x12when_unsatisfiable\x18\x03 \x01(\x0e\x32\x33.bigfleet.v1alpha1.TopologySpread.WhenUnsatisfiable\"\x87\x01\n\x11WhenUnsatisfiable\x12\"\n\x1eWHEN_UNSATISFIABLE_UNSPECIFIED\x10\x00\x12&\n\"WHEN_UNSATISFIABLE_DO_NOT_SCHEDULE\x10\x01\x12&\n\"WHEN_UNSATISFIABLE_SCHEDULE_ANYWAY\x10\x02*\xdb\x05\n\rPenaltyBucket\x12\x1e\n\x1aPENALTY_BUCKET_UNSPECIFIED\x10\x00\x12\x17\n\x13PENALTY_BUCKET_ZERO\x10\x01\x12\x1e\n\x1aPENALTY_BUCKET_HALF_DOLLAR\x10\x02\x12\x14\n\x10PENALTY_BUCKET_1\x10\x03\x12\x14\n\x10PENALTY_BUCKET_2\x10\x04\x12\x14\n\x10PENALTY_BUCKET_4\x10\x05\x12\x14\n\x10PENALTY_BUCKET_8\x10\x06\x12\x15\n\x11PENALTY_BUCKET_16\x10\x07\x12\x15\n\x11PENALTY_BUCKET_32\x10\x08\x12\x15\n\x11PENALTY_BUCKET_64\x10\t\x12\x16\n\x12PENALTY_BUCKET_128\x10\n\x12\x16\n\x12PENALTY_BUCKET_256\x10\x0b\x12\x16\n\x12PENALTY_BUCKET_512\x10\x0c\x12\x17\n\x13PENALTY_BUCKET_1024\x10\r\x12\x17\n\x13PENALTY_BUCKET_2048\x10\x0e\x12\x17\n\x13PENALTY_BUCKET_4096\x10\x0f\x12\x17\n\x13PENALTY_BUCKET_8192\x10\x10\x12\x18\n\x14PENALTY_BUCKET_16384\x10\x11\x12\x18\n\x14PENALTY_BUCKET_32768\x10\x12\x12\x18\n\x14PENALTY_BUCKET_65536\x10\x13\x12\x19\n\x15PENALTY_BUCKET_131072\x10\x14\x12\x19\n\x15PENALTY_BUCKET_262144\x10\x15\x12\x19\n\x15PENALTY_BUCKET_524288\x10\x16\x12\x1a\n\x16PENALTY_BUCKET_1048576\x10\x17\x12\x1a\n\x16PENALTY_BUCKET_2097152\x10\x18\x12\x1a\n\x16PENALTY_BUCKET_4194304\x10\x19\x12\x1a\n\x16PENALTY_BUCKET_8388608\x10\x1a\x12\x19\n\x15PENALTY_BUCKET_PINNED\x10\x1b\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n bigfleet/v1alpha1/capacity.proto\x12\x11\x62igfleet.v1alpha1\"\xad\x01\n\x14\x43lusterCapacityNeeds\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x1c\n\x14timestamp_unix_nanos\x18\x02 \x01(\x03\x12.\n\x05needs\x18\x03 \x03(\x0b\x32\x1f.bigfleet.v1alpha1.CapacityNeed\x12\x1b\n\x12\x64isruption_budgets\x18\xe9\x07 \x03(\t\x12\x16\n\rconsolidation\x18\xea\x07 \x01(\t\"\xb8\x04\n\x0c\x43\x61pacityNeed\x12@\n\x0crequirements\x18\x01 \x03(\x0b\x32*.bigfleet.v1alpha1.NodeSelectorRequirement\x12T\n\x13\x61ggregate_resources\x18\x02 \x03(\x0b\x32\x37.bigfleet.v1alpha1.CapacityNeed.AggregateResourcesEntry\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x31\n\x06spread\x18\x05 \x03(\x0b\x32!.bigfleet.v1alpha1.TopologySpread\x12\x45\n\x1binterruption_penalty_bucket\x18\x06 \x01(\x0e\x32 .bigfleet.v1alpha1.PenaltyBucket\x12\x44\n\x1areclamation_penalty_bucket\x18\x07 \x01(\x0e\x32 .bigfleet.v1alpha1.PenaltyBucket\x12>\n\x08min_unit\x18\x08 \x03(\x0b\x32,.bigfleet.v1alpha1.CapacityNeed.MinUnitEntry\x12\r\n\x05group\x18\t \x01(\t\x1a\x39\n\x17\x41ggregateResourcesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a.\n\x0cMinUnitEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x04\x10\x05\"\x8f\x02\n\x17NodeSelectorRequirement\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x45\n\x08operator\x18\x02 \x01(\x0e\x32\x33.bigfleet.v1alpha1.NodeSelectorRequirement.Operator\x12\x0e\n\x06values\x18\x03 \x03(\t\"\x8f\x01\n\x08Operator\x12\x18\n\x14OPERATOR_UNSPECIFIED\x10\x00\x12\x0f\n\x0bOPERATOR_IN\x10\x01\x12\x13\n\x0fOPERATOR_NOT_IN\x10\x02\x12\x13\n\x0fOPERATOR_EXISTS\x10\x03\x12\x1b\n\x17OPERATOR_DOES_NOT_EXIST\x10\x04\x12\x11\n\rOPERATOR_SAME\x10\x05\"\x93\x02\n\x0eTopologySpread\x12\x14\n\x0ctopology_key\x18\x01 \x01(\t\x12\x10\n\x08max_skew\x18\x02 \x01(\x05\x12O\n\x12when_unsatisfiable\x18\x03 \x01(\x0e\x32\x33.bigfleet.v1alpha1.TopologySpread.WhenUnsatisfiable\"\x87\x01\n\x11WhenUnsatisfiable\x12\"\n\x1eWHEN_UNSATISFIABLE_UNSPECIFIED\x10\x00\x12&\n\"WHEN_UNSATISFIABLE_DO_NOT_SCHEDULE\x10\x01\x12&\n\"WHEN_UNSATISFIABLE_SCHEDULE_ANYWAY\x10\x02*\xdb\x05\n\rPenaltyBucket\x12\x1e\n\x1aPENALTY_BUCKET_UNSPECIFIED\x10\x00\x12\x17\n\x13PENALTY_BUCKET_ZERO\x10\x01\x12\x1e\n\x1aPENALTY_BUCKET_HALF_DOLLAR\x10\x02\x12\x14\n\x10PENALTY_BUCKET_1\x10\x03\x12\x14\n\x10PENALTY_BUCKET_2\x10\x04\x12\x14\n\x10PENALTY_BUCKET_4\x10\x05\x12\x14\n\x10PENALTY_BUCKET_8\x10\x06\x12\x15\n\x11PENALTY_BUCKET_16\x10\x07\x12\x15\n\x11PENALTY_BUCKET_32\x10\x08\x12\x15\n\x11PENALTY_BUCKET_64\x10\t\x12\x16\n\x12PENALTY_BUCKET_128\x10\n\x12\x16\n\x12PENALTY_BUCKET_256\x10\x0b\x12\x16\n\x12PENALTY_BUCKET_512\x10\x0c\x12\x17\n\x13PENALTY_BUCKET_1024\x10\r\x12\x17\n\x13PENALTY_BUCKET_2048\x10\x0e\x12\x17\n\x13PENALTY_BUCKET_4096\x10\x0f\x12\x17\n\x13PENALTY_BUCKET_8192\x10\x10\x12\x18\n\x14PENALTY_BUCKET_16384\x10\x11\x12\x18\n\x14PENALTY_BUCKET_32768\x10\x12\x12\x18\n\x14PENALTY_BUCKET_65536\x10\x13\x12\x19\n\x15PENALTY_BUCKET_131072\x10\x14\x12\x19\n\x15PENALTY_BUCKET_262144\x10\x15\x12\x19\n\x15PENALTY_BUCKET_524288\x10\x16\x12\x1a\n\x16PENALTY_BUCKET_1048576\x10\x17\x12\x1a\n\x16PENALTY_BUCKET_2097152\x10\x18\x12\x1a\n\x16PENALTY_BUCKET_4194304\x10\x19\x12\x1a\n\x16PENALTY_BUCKET_8388608\x10\x1a\x12\x19\n\x15PENALTY_BUCKET_PINNED\x10\x1b\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,22 +35,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CAPACITYNEED_AGGREGATERESOURCESENTRY']._serialized_options = b'8\001'
   _globals['_CAPACITYNEED_MINUNITENTRY']._loaded_options = None
   _globals['_CAPACITYNEED_MINUNITENTRY']._serialized_options = b'8\001'
-  _globals['_PENALTYBUCKET']._serialized_start=1331
-  _globals['_PENALTYBUCKET']._serialized_end=2062
+  _globals['_PENALTYBUCKET']._serialized_start=1355
+  _globals['_PENALTYBUCKET']._serialized_end=2086
   _globals['_CLUSTERCAPACITYNEEDS']._serialized_start=56
-  _globals['_CLUSTERCAPACITYNEEDS']._serialized_end=205
-  _globals['_CAPACITYNEED']._serialized_start=208
-  _globals['_CAPACITYNEED']._serialized_end=776
-  _globals['_CAPACITYNEED_AGGREGATERESOURCESENTRY']._serialized_start=665
-  _globals['_CAPACITYNEED_AGGREGATERESOURCESENTRY']._serialized_end=722
-  _globals['_CAPACITYNEED_MINUNITENTRY']._serialized_start=724
-  _globals['_CAPACITYNEED_MINUNITENTRY']._serialized_end=770
-  _globals['_NODESELECTORREQUIREMENT']._serialized_start=779
-  _globals['_NODESELECTORREQUIREMENT']._serialized_end=1050
-  _globals['_NODESELECTORREQUIREMENT_OPERATOR']._serialized_start=907
-  _globals['_NODESELECTORREQUIREMENT_OPERATOR']._serialized_end=1050
-  _globals['_TOPOLOGYSPREAD']._serialized_start=1053
-  _globals['_TOPOLOGYSPREAD']._serialized_end=1328
-  _globals['_TOPOLOGYSPREAD_WHENUNSATISFIABLE']._serialized_start=1193
-  _globals['_TOPOLOGYSPREAD_WHENUNSATISFIABLE']._serialized_end=1328
+  _globals['_CLUSTERCAPACITYNEEDS']._serialized_end=229
+  _globals['_CAPACITYNEED']._serialized_start=232
+  _globals['_CAPACITYNEED']._serialized_end=800
+  _globals['_CAPACITYNEED_AGGREGATERESOURCESENTRY']._serialized_start=689
+  _globals['_CAPACITYNEED_AGGREGATERESOURCESENTRY']._serialized_end=746
+  _globals['_CAPACITYNEED_MINUNITENTRY']._serialized_start=748
+  _globals['_CAPACITYNEED_MINUNITENTRY']._serialized_end=794
+  _globals['_NODESELECTORREQUIREMENT']._serialized_start=803
+  _globals['_NODESELECTORREQUIREMENT']._serialized_end=1074
+  _globals['_NODESELECTORREQUIREMENT_OPERATOR']._serialized_start=931
+  _globals['_NODESELECTORREQUIREMENT_OPERATOR']._serialized_end=1074
+  _globals['_TOPOLOGYSPREAD']._serialized_start=1077
+  _globals['_TOPOLOGYSPREAD']._serialized_end=1352
+  _globals['_TOPOLOGYSPREAD_WHENUNSATISFIABLE']._serialized_start=1217
+  _globals['_TOPOLOGYSPREAD_WHENUNSATISFIABLE']._serialized_end=1352
 # @@protoc_insertion_point(module_scope)

@@ -103,10 +103,15 @@ class ClusterCapacityNeeds(_message.Message):
     TIMESTAMP_UNIX_NANOS_FIELD_NUMBER: _builtins.int
     NEEDS_FIELD_NUMBER: _builtins.int
     DISRUPTION_BUDGETS_FIELD_NUMBER: _builtins.int
+    CONSOLIDATION_FIELD_NUMBER: _builtins.int
     cluster_id: _builtins.str
     """Stable identity of the cluster; the key the shard replaces on."""
     timestamp_unix_nanos: _builtins.int
     """When the operator built this roll-up (Unix nanoseconds, wall clock)."""
+    consolidation: _builtins.str
+    """Python addition: this cluster's consolidation switch, overriding the shard's: "on", "off",
+    or empty for the shard's setting (docs/consolidation.md).
+    """
     @_builtins.property
     def needs(self) -> _containers.RepeatedCompositeFieldContainer[Global___CapacityNeed]:
         """The whole current demand, aggregated. Empty means "nothing wanted"."""
@@ -125,10 +130,11 @@ class ClusterCapacityNeeds(_message.Message):
         timestamp_unix_nanos: _builtins.int = ...,
         needs: _abc.Iterable[Global___CapacityNeed] | None = ...,
         disruption_budgets: _abc.Iterable[_builtins.str] | None = ...,
+        consolidation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "disruption_budgets", b"disruption_budgets", "needs", b"needs", "timestamp_unix_nanos", b"timestamp_unix_nanos"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "consolidation", b"consolidation", "disruption_budgets", b"disruption_budgets", "needs", b"needs", "timestamp_unix_nanos", b"timestamp_unix_nanos"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
