@@ -132,6 +132,7 @@ IDS = {
         ("/bigfleet.v1alpha1.ShardAdmin/SetActuation", {"admin"}),
         ("/bigfleet.v1alpha1.ShardAdmin/GetActuation", {"admin", "readonly"}),
         ("/bigfleet.v1alpha1.ShardRead/WhatIf", {"admin", "readonly", "cluster-a"}),
+        ("/bigfleet.v1alpha1.ShardRead/PlanConsolidation", {"admin", "readonly"}),
         ("/grpc.health.v1.Health/Check", set(IDS)),
     ],
 )

@@ -1,6 +1,6 @@
-"""`bigfleetctl whatif` as a real process against a real shard process and fake provider: the
-CapacityRequest file is answered per need (table and JSON), and the shard calls no provider
-lifecycle RPC and runs no extra cycle's worth of actions for it."""
+"""`bigfleetctl whatif` (and `consolidation --plan`) as a real process against a real shard process and
+fake provider: the CapacityRequest file is answered per need (table and JSON), and the shard calls no
+provider lifecycle RPC for it."""
 
 from __future__ import annotations
 
@@ -71,6 +71,12 @@ async def test_whatif_cli_against_a_real_shard() -> None:
         # Nothing was actuated for the what-if (no demand exists, so no cycle acts either).
         assert not [n for n, _ in spy.calls[calls:] if n in LIFECYCLE]
         assert (await shard.counts()).by_state.get("MACHINE_STATE_CONFIGURED", 0) == 0
+        # consolidation --plan: no demand, so no move; the verb reaches the shard and says so.
+        plan = await asyncio.to_thread(ctl, "consolidation", "--plan", "--shard", shard.addr, "-o", "json")
+        assert plan.returncode == 0 and json.loads(plan.stdout) == [], plan.stderr
+        plan = await asyncio.to_thread(ctl, "consolidation", "--plan", "--shard", shard.addr)
+        assert plan.returncode == 0 and "nothing was changed" in plan.stdout, plan.stderr
+        assert (await asyncio.to_thread(ctl, "consolidation", "--shard", shard.addr)).returncode == 2
         # Bad input: INVALID_ARGUMENT surfaces as a usage error (exit 2) naming the field.
         f.write_text("clusterId: c1\nneeds:\n- aggregateResources: {cpu: lots}\n")
         bad = await asyncio.to_thread(ctl, "whatif", "-f", str(f), "--shard", shard.addr)

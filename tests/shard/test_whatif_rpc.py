@@ -112,3 +112,40 @@ async def test_unavailable_before_the_inventory_is_read(daemon: ShardDaemon) -> 
     with pytest.raises(Aborted) as exc:
         await ShardReadServicer(daemon).WhatIf(_ask("c1", need("1")), Ctx())
     assert exc.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_plan_consolidation_on_a_copy() -> None:
+    from bigfleet.operator.rollup import need_fingerprint
+    from bigfleet.wire.machine import META_NEED_FINGERPRINT
+
+    d = ShardDaemon(DaemonConfig(shard_id="s1", provider=f"127.0.0.1:{free_port()}", epoch=3, engine_mode="inline"),
+                    ShardMetrics(new_registry()))
+    try:
+        want = need("4")
+        dear = machine("dear", S.MACHINE_STATE_CONFIGURED, cluster="c1", price=1.0)
+        dear.shard_metadata[META_NEED_FINGERPRINT] = need_fingerprint(want)
+        for pb in (dear, machine("cheap", S.MACHINE_STATE_IDLE, price=0.1)):
+            d.view.set(pb)
+        d.reconciled.set()
+        assert (await d.handle_rollup("c1", capacity_pb2.ClusterCapacityNeeds(cluster_id="c1", needs=[want]))).accepted
+        for name in ("create", "configure", "drain", "delete"):
+            setattr(d.provider, name, _boom)
+        svc = ShardReadServicer(d)
+        r = await svc.PlanConsolidation(shardread_pb2.PlanConsolidationRequest(), Ctx())
+        (mv,) = r.moves
+        assert (mv.cluster_id, mv.kind, mv.enabled) == ("c1", "cheaper", False) and list(r.enabled_clusters) == []
+        assert mv.replacement.machine_id == "cheap" and mv.replacement.state == "idle"
+        assert [p.machine_id for p in mv.replaced] == ["dear"] and mv.replaced[0].price_per_hour == 1.0
+        assert abs(r.savings_per_hour - 0.9) < 1e-9 and abs(mv.savings_per_hour - 0.9) < 1e-9
+        # on for the cluster (its roll-up says so): the same move, enabled
+        on = capacity_pb2.ClusterCapacityNeeds(cluster_id="c1", needs=[want], consolidation="on")
+        assert (await d.handle_rollup("c1", on)).accepted
+        r = await svc.PlanConsolidation(shardread_pb2.PlanConsolidationRequest(cluster_id="c1"), Ctx())
+        assert [m.enabled for m in r.moves] == [True] and list(r.enabled_clusters) == ["c1"]
+        assert not (await svc.PlanConsolidation(shardread_pb2.PlanConsolidationRequest(cluster_id="c2"), Ctx())).moves
+        with pytest.raises(Aborted) as exc:
+            await svc.PlanConsolidation(shardread_pb2.PlanConsolidationRequest(cluster_id="a b"), Ctx())
+        assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert not d.view.inflight and d.cycles == 0
+    finally:
+        await d.stop(drain_timeout=0.2)

@@ -39,9 +39,10 @@ COMMANDS = [
     ("pause", "pause a shard's actuation (`pause --shard-id ID`)"),
     ("resume", "resume a shard's actuation (`resume --shard-id ID`)"),
     ("whatif", "would these needs fit now, and how? (`whatif -f request.yaml --cluster ID`; changes nothing)"),
+    ("consolidation", "what consolidation would replace and save (`consolidation --plan`; changes nothing)"),
     ("certs", "make a CA and per-role certificates for local use"),
 ]
-SHARD_VERBS = {"needs", "inventory", "shortfalls", "pause", "resume", "whatif"}
+SHARD_VERBS = {"needs", "inventory", "shortfalls", "pause", "resume", "whatif", "consolidation"}
 
 
 class CtlError(Exception):

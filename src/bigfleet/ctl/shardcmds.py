@@ -51,6 +51,10 @@ def add_args(name: str, sp: argparse.ArgumentParser) -> None:
         from bigfleet.ctl.whatif import add_args as whatif_args
 
         whatif_args(sp)
+    elif name == "consolidation":
+        from bigfleet.ctl.consolidation import add_args as consolidation_args
+
+        consolidation_args(sp)
 
 
 def _short(state: str) -> str:
@@ -260,4 +264,8 @@ async def run(verb: str, coordinator: Any, args: argparse.Namespace, tls: Any, e
         from bigfleet.ctl.whatif import run as whatif
 
         return await whatif(ctl, args, emit)
+    if verb == "consolidation":
+        from bigfleet.ctl.consolidation import run as consolidation
+
+        return await consolidation(ctl, args, emit)
     raise UsageError(f"unknown shard verb {verb!r}")

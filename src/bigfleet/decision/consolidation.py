@@ -366,3 +366,27 @@ def _still_met(ix: Index, c: str, needs: Sequence[Need], gone: set[str], config:
     after = decide(list(needs), machines, 0, EngineState(), plain)
     met = {(v.cluster_id, v.fingerprint) for v in before.verdicts if v.satisfied}
     return all(v.satisfied for v in after.verdicts if (v.cluster_id, v.fingerprint) in met)
+
+
+def plan_on_copy(needs: Sequence[Need], machines: Sequence[Machine], now_unix_nanos: int, state: EngineState,
+                 config: EngineConfig, cluster_id: str = "") -> tuple[Plan, set[str]]:
+    """``bigfleetctl consolidation --plan``: the cycle decided on a copy of the shard's inputs, and
+    consolidation's plan as if it were on (for ``cluster_id``, or every cluster), plus the clusters it
+    is actually on for. Nothing is emitted; the caller's inputs are only read."""
+    from .engine import Engine
+
+    clusters = {n.cluster_id for n in needs}
+    enabled = enabled_clusters(config, clusters)
+    want = {cluster_id} if cluster_id else clusters
+    cfg = replace(config, dry_run=True, paused=False, max_actions_per_cycle=0, consolidation=False,
+                  consolidation_overrides=tuple((c, True) for c in sorted(want)))
+    eng = Engine()
+    d = eng.decide(needs, machines, now_unix_nanos, state, cfg)
+    ix = getattr(eng, "_ix", None)
+    if not isinstance(ix, Index):
+        return Plan([], set(), [], [], 0.0), enabled
+    by_cluster: dict[str, list[Need]] = {}
+    for n in needs:
+        if n.cluster_id in want:
+            by_cluster.setdefault(n.cluster_id, []).append(n)
+    return plan_moves(d, ix, by_cluster, state, cfg), enabled

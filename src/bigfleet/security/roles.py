@@ -123,6 +123,7 @@ SHARD_POLICY: dict[str, Access] = {
     f"/{_PKG}.ShardRead/ListShortfalls": READ,
     # Python addition: an operator asks about its own cluster only (dry-run CapacityRequests).
     f"/{_PKG}.ShardRead/WhatIf": Access.of(Role.CLUSTER, Role.READONLY, Role.ADMIN, self_field="cluster_id"),
+    f"/{_PKG}.ShardRead/PlanConsolidation": READ,
     f"/{_PKG}.ShardAdmin/GetActuation": READ,
     f"/{_PKG}.ShardAdmin/SetActuation": ADMIN_ONLY,
 }

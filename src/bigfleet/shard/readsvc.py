@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from bigfleet.decision.consolidation import plan_on_copy
 from bigfleet.decision.whatif import MAX_WHATIF_NEEDS, Result, what_if
+from bigfleet.machine import Machine
 from bigfleet.needs import Need, ValidationError
 from bigfleet.security.limits import LimitExceeded, check_rollup
 from bigfleet.shard.engineproc import row_age, row_resources
@@ -131,6 +133,48 @@ class ShardReadServicer(shardread_pb2_grpc.ShardReadServicer):
             m.whatif_duration.observe(time.perf_counter() - t0)
         m.whatif_calls.labels("ok").inc()
         return whatif_to_proto(res, cycle, now)
+
+
+    async def PlanConsolidation(
+        self, request: shardread_pb2.PlanConsolidationRequest, context: grpc.aio.ServicerContext
+    ) -> shardread_pb2.PlanConsolidationResponse:
+        """Consolidation's plan on a copy of this leader's state, as if it were on; acts on nothing."""
+        d = self.d
+        if request.cluster_id:
+            try:
+                validate_cluster_id(request.cluster_id)
+            except ValidationError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not d.reconciled.is_set():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard has not read its inventory yet; retry")
+        async with self._whatif:
+            fc, fm = d.frozen_clusters, d.frozen_machines
+            needs = [n for n in d.store.table.snapshot() if n.cluster_id not in fc]
+            machines = [x for x in d.view.machines() if x.id not in fm and x.cluster not in fc]
+            config, now, cycle, state = d.engine_config(), d.config.wall_ns(), d.cycles, d.store.engine_state()
+            args = (needs, machines, now, state, config, request.cluster_id)
+            if d.config.compute_inline:
+                plan, enabled = plan_on_copy(*args)
+            else:
+                plan, enabled = await asyncio.to_thread(plan_on_copy, *args)
+        by_id = {x.id: x for x in machines}
+        out = shardread_pb2.PlanConsolidationResponse(cycle=cycle, savings_per_hour=round(plan.saving, 6),
+                                                      enabled_clusters=sorted(enabled))
+        for mv in (*plan.retired, *plan.moves):
+            pb = out.moves.add(cluster_id=mv.cluster_id, need_fingerprint=mv.need_fingerprint, kind=mv.kind,
+                               savings_per_hour=round(mv.saving_per_hour, 6), enabled=mv.cluster_id in enabled)
+            if mv.new:
+                _planned(pb.replacement, by_id.get(mv.new), mv.new)
+            for mid in mv.old:
+                _planned(pb.replaced.add(), by_id.get(mid), mid)
+        return out
+
+
+def _planned(pb: shardread_pb2.PlannedMachine, m: Machine | None, mid: str) -> None:
+    pb.machine_id = mid
+    if m is not None:
+        pb.instance_type, pb.zone = m.shape.instance_type, m.shape.zone
+        pb.state, pb.price_per_hour = m.state.name.lower(), m.shape.price_per_hour
 
 
 def _whatif_input(request: shardread_pb2.WhatIfRequest, now: int) -> tuple[str, list[Need]]:

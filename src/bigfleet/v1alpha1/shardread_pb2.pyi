@@ -726,3 +726,139 @@ class DisplacedNeed(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DisplacedNeed: _TypeAlias = DisplacedNeed  # noqa: Y015
+
+@_typing.final
+class PlanConsolidationRequest(_message.Message):
+    """Python addition: consolidation's plan (docs/consolidation.md)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.str
+    """Empty means every cluster of the shard."""
+    def __init__(
+        self,
+        *,
+        cluster_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlanConsolidationRequest: _TypeAlias = PlanConsolidationRequest  # noqa: Y015
+
+@_typing.final
+class PlanConsolidationResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CYCLE_FIELD_NUMBER: _builtins.int
+    MOVES_FIELD_NUMBER: _builtins.int
+    SAVINGS_PER_HOUR_FIELD_NUMBER: _builtins.int
+    ENABLED_CLUSTERS_FIELD_NUMBER: _builtins.int
+    cycle: _builtins.int
+    """The shard cycle whose carried state the plan started from."""
+    savings_per_hour: _builtins.float
+    """Sum over the moves."""
+    @_builtins.property
+    def moves(self) -> _containers.RepeatedCompositeFieldContainer[Global___ConsolidationMove]: ...
+    @_builtins.property
+    def enabled_clusters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Clusters consolidation is on for (the shard's switch and the clusters' overrides)."""
+
+    def __init__(
+        self,
+        *,
+        cycle: _builtins.int = ...,
+        moves: _abc.Iterable[Global___ConsolidationMove] | None = ...,
+        savings_per_hour: _builtins.float = ...,
+        enabled_clusters: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cycle", b"cycle", "enabled_clusters", b"enabled_clusters", "moves", b"moves", "savings_per_hour", b"savings_per_hour"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlanConsolidationResponse: _TypeAlias = PlanConsolidationResponse  # noqa: Y015
+
+@_typing.final
+class ConsolidationMove(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    NEED_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    REPLACEMENT_FIELD_NUMBER: _builtins.int
+    REPLACED_FIELD_NUMBER: _builtins.int
+    SAVINGS_PER_HOUR_FIELD_NUMBER: _builtins.int
+    ENABLED_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.str
+    need_fingerprint: _builtins.str
+    kind: _builtins.str
+    """"cheaper" (one machine onto cheaper supply), "repack" (several onto one), or "retire" (machines
+    drained now that their replacement is CONFIGURED).
+    """
+    savings_per_hour: _builtins.float
+    """Effective $/hour saved once the move completes."""
+    enabled: _builtins.bool
+    """Consolidation is on for this cluster (else the move is what it would do)."""
+    @_builtins.property
+    def replacement(self) -> Global___PlannedMachine:
+        """The Idle/Speculative machine that would be configured or created (not for "retire")."""
+
+    @_builtins.property
+    def replaced(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlannedMachine]:
+        """The bound machines it replaces (drained once the replacement is CONFIGURED)."""
+
+    def __init__(
+        self,
+        *,
+        cluster_id: _builtins.str = ...,
+        need_fingerprint: _builtins.str = ...,
+        kind: _builtins.str = ...,
+        replacement: Global___PlannedMachine | None = ...,
+        replaced: _abc.Iterable[Global___PlannedMachine] | None = ...,
+        savings_per_hour: _builtins.float = ...,
+        enabled: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["replacement", b"replacement"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "enabled", b"enabled", "kind", b"kind", "need_fingerprint", b"need_fingerprint", "replaced", b"replaced", "replacement", b"replacement", "savings_per_hour", b"savings_per_hour"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConsolidationMove: _TypeAlias = ConsolidationMove  # noqa: Y015
+
+@_typing.final
+class PlannedMachine(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MACHINE_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_TYPE_FIELD_NUMBER: _builtins.int
+    ZONE_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    PRICE_PER_HOUR_FIELD_NUMBER: _builtins.int
+    machine_id: _builtins.str
+    instance_type: _builtins.str
+    zone: _builtins.str
+    state: _builtins.str
+    """MachineState name without its prefix, lower case (e.g. "idle")."""
+    price_per_hour: _builtins.float
+    def __init__(
+        self,
+        *,
+        machine_id: _builtins.str = ...,
+        instance_type: _builtins.str = ...,
+        zone: _builtins.str = ...,
+        state: _builtins.str = ...,
+        price_per_hour: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_type", b"instance_type", "machine_id", b"machine_id", "price_per_hour", b"price_per_hour", "state", b"state", "zone", b"zone"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlannedMachine: _TypeAlias = PlannedMachine  # noqa: Y015

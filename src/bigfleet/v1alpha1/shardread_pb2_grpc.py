@@ -54,6 +54,11 @@ class ShardReadStub:
                 request_serializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.WhatIfRequest.SerializeToString,
                 response_deserializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.WhatIfResponse.FromString,
                 _registered_method=True)
+        self.PlanConsolidation = channel.unary_unary(
+                '/bigfleet.v1alpha1.ShardRead/PlanConsolidation',
+                request_serializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.PlanConsolidationRequest.SerializeToString,
+                response_deserializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.PlanConsolidationResponse.FromString,
+                _registered_method=True)
 
 
 class ShardReadServicer:
@@ -90,6 +95,15 @@ class ShardReadServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PlanConsolidation(self, request, context):
+        """Python addition: what consolidation would replace next cycle and what it saves, computed on a
+        copy of the leader's state as if consolidation were on (each move says whether it is). Acts on
+        nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardReadServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +126,11 @@ def add_ShardReadServicer_to_server(servicer, server):
                     servicer.WhatIf,
                     request_deserializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.WhatIfRequest.FromString,
                     response_serializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.WhatIfResponse.SerializeToString,
+            ),
+            'PlanConsolidation': grpc.unary_unary_rpc_method_handler(
+                    servicer.PlanConsolidation,
+                    request_deserializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.PlanConsolidationRequest.FromString,
+                    response_serializer=bigfleet_dot_v1alpha1_dot_shardread__pb2.PlanConsolidationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +241,33 @@ class ShardRead:
             '/bigfleet.v1alpha1.ShardRead/WhatIf',
             bigfleet_dot_v1alpha1_dot_shardread__pb2.WhatIfRequest.SerializeToString,
             bigfleet_dot_v1alpha1_dot_shardread__pb2.WhatIfResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlanConsolidation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bigfleet.v1alpha1.ShardRead/PlanConsolidation',
+            bigfleet_dot_v1alpha1_dot_shardread__pb2.PlanConsolidationRequest.SerializeToString,
+            bigfleet_dot_v1alpha1_dot_shardread__pb2.PlanConsolidationResponse.FromString,
             options,
             channel_credentials,
             insecure,

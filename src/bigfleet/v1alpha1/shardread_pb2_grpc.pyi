@@ -48,6 +48,11 @@ class ShardReadStub:
     shard runs its engine on a copy of its current state (inventory, demand, carried
     state); nothing is actuated or replicated. Leader only, like every ShardRead call.
     """
+    PlanConsolidation: _grpc.UnaryUnaryMultiCallable[_shardread_pb2.PlanConsolidationRequest, _shardread_pb2.PlanConsolidationResponse]
+    """Python addition: what consolidation would replace next cycle and what it saves, computed on a
+    copy of the leader's state as if consolidation were on (each move says whether it is). Acts on
+    nothing.
+    """
 
 @_typing.type_check_only
 class ShardReadAsyncStub(ShardReadStub):
@@ -64,6 +69,11 @@ class ShardReadAsyncStub(ShardReadStub):
     """Python addition: would these candidate needs of one cluster be met now, and how? The
     shard runs its engine on a copy of its current state (inventory, demand, carried
     state); nothing is actuated or replicated. Leader only, like every ShardRead call.
+    """
+    PlanConsolidation: _aio.UnaryUnaryMultiCallable[_shardread_pb2.PlanConsolidationRequest, _shardread_pb2.PlanConsolidationResponse]  # type: ignore[assignment]
+    """Python addition: what consolidation would replace next cycle and what it saves, computed on a
+    copy of the leader's state as if consolidation were on (each move says whether it is). Acts on
+    nothing.
     """
 
 class ShardReadServicer(metaclass=_abc_1.ABCMeta):
@@ -102,6 +112,17 @@ class ShardReadServicer(metaclass=_abc_1.ABCMeta):
         """Python addition: would these candidate needs of one cluster be met now, and how? The
         shard runs its engine on a copy of its current state (inventory, demand, carried
         state); nothing is actuated or replicated. Leader only, like every ShardRead call.
+        """
+
+    @_abc_1.abstractmethod
+    def PlanConsolidation(
+        self,
+        request: _shardread_pb2.PlanConsolidationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_shardread_pb2.PlanConsolidationResponse, _abc.Awaitable[_shardread_pb2.PlanConsolidationResponse]]:
+        """Python addition: what consolidation would replace next cycle and what it saves, computed on a
+        copy of the leader's state as if consolidation were on (each move says whether it is). Acts on
+        nothing.
         """
 
 def add_ShardReadServicer_to_server(servicer: ShardReadServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
