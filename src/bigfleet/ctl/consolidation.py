@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from bigfleet.ctl.shardcmds import Emit, ShardCtl, UsageError
+from bigfleet.ctl.shardcmds import Emit, ShardCallFailed, ShardCtl, UsageError
+from bigfleet.ctl.whatif import follow
 from bigfleet.v1alpha1 import shardread_pb2 as spb
 from bigfleet.v1alpha1 import shardread_pb2_grpc as sgrpc
 
@@ -27,8 +28,16 @@ async def run(ctl: ShardCtl, args: argparse.Namespace, emit: Emit) -> int:
     if not args.plan:
         raise UsageError("consolidation needs --plan")
     req = spb.PlanConsolidationRequest(cluster_id=args.cluster)
-    got, errors = await ctl._each(await ctl.targets(args.cluster),
-                                  lambda ch: sgrpc.ShardReadStub(ch).PlanConsolidation(req, timeout=ctl.timeout))
+    got: list[tuple[str, str, spb.PlanConsolidationResponse]] = []
+    errors: list[str] = []
+    for sid, addr in await ctl.targets(args.cluster):
+        try:  # (a follower replica's redirect is followed to its leader)
+            got.append((sid, addr, await follow(ctl, sid, addr, lambda ch: sgrpc.ShardReadStub(ch).PlanConsolidation(
+                req, timeout=ctl.timeout))))
+        except ShardCallFailed as exc:
+            errors.append(str(exc))
+    if errors and not got:
+        raise ShardCallFailed("; ".join(errors))
     data, rows, total = [], [], 0.0
     for sid, _addr, r in got:
         total += r.savings_per_hour
