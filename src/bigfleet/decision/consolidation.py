@@ -20,7 +20,7 @@ roll-up, for needs satisfied this cycle:
   machine Configuring or Draining gets no new replacement.
 
 Never touched: pinned machines (infinite penalties), needs with a strict spread, machines any other
-phase acted on. Retirements stay inside ``consolidation_max_moves`` per cluster and the cluster's
+phase acted on; a need with a machine being drained this cycle (by any phase) gets no replacement. Retirements stay inside ``consolidation_max_moves`` per cluster and the cluster's
 disruption budget room (``consolidation_room``, from the shard); all of a need's retirements fit, or
 none are made (and then nothing of that need is drained this cycle). A cluster's retirements are
 checked by re-deciding it on its remaining machines: if any of its needs would then be unmet, the
@@ -192,7 +192,9 @@ def _cluster(plan: Plan, ix: Index, c: str, needs: Sequence[Need], satisfied: se
         if n.profile.spread or math.isinf(bucket_dollars(n.interruption_bucket)) \
                 or math.isinf(bucket_dollars(n.reclamation_bucket)):
             continue
-        mine = [m for m in conf.get(fp, ()) if m.id not in busy and _movable(m)]
+        if any(m.id in phase3 or m.id in plan.drop_drains or m.id in busy for m in conf.get(fp, ())):
+            continue  # over-covered now: retire first, replace later
+        mine = [m for m in conf.get(fp, ()) if _movable(m)]
         if not mine:
             continue
         mv = _best_move(ix, n, mine, taken, config)
