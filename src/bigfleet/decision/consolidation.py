@@ -252,6 +252,9 @@ def _keep_set(ix: Index, n: Need, ms: list[Machine]) -> tuple[list[Machine], lis
     want = n.aggregate_resources.to_milli()
     eff = _eff_fn(ix, n)
     allocs = {m.id: _alloc(ix.cls(m), dims) for m in ms}
+    total = _sum(allocs.values(), dims)
+    if len(ms) < 2 or not any(_covers({k: total[k] - allocs[m.id].get(k, 0) for k in dims}, want) for m in ms):
+        return list(ms), []  # tightly covered (the steady case): nothing can go
     best: tuple[float, int, list[Machine]] | None = None
 
     def consider(keep: list[Machine]) -> None:
@@ -305,7 +308,10 @@ def _best_move(ix: Index, n: Need, mine: list[Machine], taken: set[str], config:
     grace_h = config.reclaim_grace_seconds / 3600.0
     recl = bucket_dollars(n.reclamation_bucket)
     best: tuple[Machine, list[Machine], float, str, int] | None = None
+    ceiling = sum(eff(m) for m in mine) * (1.0 - config.consolidation_margin)
     for c in ix.matched_classes(n.requirements):
+        if not ix.free_count.get(c.idx) or c.eff_cost(pen) >= ceiling:
+            continue  # no free machine of the class, or it could not save enough even replacing them all
         if not _covers(_alloc(c, tuple(unit)), unit):
             continue
         if same and any(ix.cls(m).attrs.get(k) != c.attrs.get(k) for m in mine for k in same):
