@@ -199,3 +199,38 @@ def phase3_high_demand(machines: int = 500_000, clusters: int = 50) -> tuple[lis
             p = Profile.build([type_req(a.name)], priority=1000, interruption_bucket=PenaltyBucket.B64)
             out.append(Need(c, p, a.alloc.scale(per_cluster_type * 9 // 10), a.alloc, 1))
     return out, Inventory(fleet), names
+
+
+# --- persistent unmet demand -----------------------------------------------------------------
+
+UNIT = Arch("unit-8", res(8, 32), 0.4, CapacityType.ON_DEMAND)
+
+
+def unmet_needs(cluster: str, count: int, bump: int = 0) -> list[Need]:
+    """`count` single-machine needs of one cluster, each its own job (distinct fingerprints)."""
+    out = []
+    for j in range(count):
+        prof = Profile.build([type_req(UNIT.name)], (), 1000, PenaltyBucket.B64, PenaltyBucket.B64,
+                             f"job-{j}")
+        units = 1 + bump if j == 0 else 1
+        out.append(Need(cluster, prof, res(8 * units, 32 * units), res(8, 32), 1 + j))
+    return out
+
+
+def unmet_demand(needs: int = 50_000, machines: int = 6_000, clusters: int = 500
+                 ) -> tuple[list[Need], Inventory, list[str]]:
+    """Far more single-machine needs than machines, every machine already bound to a cluster and
+    stamped for one of its needs: the shape of a stockout that lasts (most needs unmet every cycle)."""
+    names = [f"cluster-{c:04d}" for c in range(clusters)]
+    per = needs // clusters
+    all_needs: list[Need] = []
+    ms: list[Machine] = []
+    each = machines // clusters
+    for c in names:
+        ns = unmet_needs(c, per)
+        all_needs += ns
+        for k in range(each):
+            n = ns[k % per]
+            ms.append(mk(f"{c}-m{k:03d}", S.CONFIGURED, UNIT, f"rack-{k % 10:02d}", c, prio=n.priority,
+                         fp=n.fingerprint, rpd=64.0))
+    return all_needs, Inventory(ms), names

@@ -276,3 +276,52 @@ def test_bulk_acquisition_skips_machines_claimed_by_reservations() -> None:
     assert fast == slow
     assert [(x.machine_id, x.cluster_id) for x in fast.actions] == [
         ("i1", "a"), ("i2", "a"), ("i0", "b"), ("i3", "b"), ("i4", "b")]
+
+
+# -- persistent unmet demand: clusters whose short needs cannot get anything are reused too ----------
+
+UNMET_REUSED: list[int] = []
+
+
+def _scarce_machine(rnd: random.Random, i: int) -> Machine:
+    """Mostly bound machines, stamped at or above the demand's priorities (so often no victims)."""
+    m = _machine(rnd, i)
+    if m.state is S.CONFIGURED or rnd.random() < 0.7:
+        itype = m.instance_type
+        return machine(m.id, S.CONFIGURED, cluster=rnd.choice(CLUSTERS), zone=m.zone, itype=itype,
+                       res=_res(4 if itype == "big" else 2), ctype=CapacityType.ON_DEMAND, price=m.price_per_hour,
+                       prio=rnd.choice((100, 1000, 5000, 5000)), rpd=rnd.choice((0.0, 8.0)))
+    return m
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_reused_engine_equals_fresh_decide_under_persistent_unmet_demand(seed: int) -> None:
+    """Demand far above supply: most clusters stay short every cycle. Their cached results (an
+    `UnmetWatch`) must give exactly what a fresh `decide()` gives as machines move and demand changes."""
+    rnd = random.Random(1000 + seed)
+    inv = Inventory([_scarce_machine(rnd, i) for i in range(rnd.randint(20, 50))])
+    table = NeedsTable()
+    for c in CLUSTERS:
+        _demand(rnd, table, c)
+    cfg = EngineConfig(preempt_after_cycles=rnd.choice((1, 3)), shortfall_report_cap=rnd.choice((2, 100)))
+    state = EngineState(first_rollup=frozenset(CLUSTERS))
+    eng = Engine()
+    now = NOW
+    reused = 0
+    for _ in range(30):
+        got = eng.decide(table, inv, now, state, cfg)
+        want = decide(table, Inventory(list(inv)), now, state, cfg)
+        _same(got, want)
+        reused += eng.last_unmet_reused
+        state = got.state
+        _apply_some(rnd, inv, got.actions, now)
+        if rnd.random() < 0.5:
+            _small_change(rnd, inv, table, now)
+        now += 10**10
+    UNMET_REUSED.append(reused)
+
+
+def test_the_unmet_sequences_above_exercise_the_unmet_cache() -> None:
+    if len(UNMET_REUSED) < 30:
+        pytest.skip("runs after the parametrized sequences")
+    assert sum(1 for r in UNMET_REUSED if r) >= 10, UNMET_REUSED

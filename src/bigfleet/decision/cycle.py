@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Literal
 
 from bigfleet.machine.inventory import Inventory
@@ -19,12 +20,13 @@ from bigfleet.machine.record import Machine, MachineShape
 from bigfleet.needs import Need, NeedsTable
 
 from .acquire import acquisition_actions
-from .index import Index, add_machine, build_index, free_supply, remove_machine
+from .index import IDLE, SPEC, Index, add_machine, build_index, free_supply, remove_machine
 from .ledgers import Ledgers, ledgers
 from .normalise import normalize_rows
 from .order import acquire_all, credit_all, needs_by_cluster
 from .preempt import preempt_all
 from .reclaim import reclaim_all
+from .records import build_fast
 from .release import idle_releases
 from .scratch import CycleScratch, NeedRow
 from .types import Action, Decision, Drain, EngineConfig, EngineState, PhaseStats, Verdict
@@ -39,16 +41,33 @@ CacheKey = tuple[tuple[tuple[str, ...], int], int, int | None]
 ReclaimMemo = tuple[tuple[int, float], list[Drain], int]
 
 
+@dataclass(frozen=True)
+class UnmetWatch:
+    """What a cached cluster with unmet needs also depends on: its unmet needs' eligible classes had
+    no free supply, no DRAINING machine and no Configured machine stamped below the need's priority
+    (nothing to acquire, await or preempt), and no machine was in flight for any of its needs. While
+    that still holds (the classes' Configured sets unchanged, their pools and drains still empty,
+    nothing Creating or reserved for its fingerprints), recomputing would give the same result."""
+
+    classes: tuple[int, ...]
+    configured_vers: tuple[int, ...]
+    fingerprints: tuple[str, ...]
+
+
 class ClusterCache:
-    """A cluster whose needs were all met by its own bound machines (nothing global involved), so
-    its Phase-1 result, verdicts and excess can be reused while its inputs are unchanged."""
+    """A cluster whose result involves nothing global, so its Phase-1 result, verdicts and excess can
+    be reused while its inputs are unchanged: every need met by its own bound machines, or (with a
+    `watch`) the unmet ones provably unable to get anything anywhere."""
 
     __slots__ = ("credited", "domains", "drains", "folded", "gangs", "hconf", "held", "key", "needs", "rows",
-                 "verdicts")
+                 "unmet_rows", "verdicts", "watch")
 
     def __init__(self, key: CacheKey, needs: tuple[Need, ...], rows: list[NeedRow], held: dict[str, NeedRow],
-                 verdicts: list[Verdict], domains: dict[str, str], hconf: int) -> None:
+                 verdicts: list[Verdict], domains: dict[str, str], hconf: int, watch: UnmetWatch | None) -> None:
         self.key = key
+        self.watch = watch
+        #: rows short after Phase 1: their unmet age moves every cycle (verdicts and ledgers follow)
+        self.unmet_rows = [n for n in rows if any(n.p1_remaining)]
         self.needs = needs
         self.rows = rows
         self.held = held
@@ -80,6 +99,8 @@ class _Split:
     fresh: list[_FreshCluster]
     folded: int
     needs_in: int
+    #: rows of reused clusters that are still short (aged this cycle; the ledgers count them)
+    unmet_rows: list[NeedRow]
 
 
 class Engine:
@@ -106,7 +127,11 @@ class Engine:
         self.full_diff_every = 1024
         self._cache: dict[str, ClusterCache] = {}
         self._cdims: dict[str, tuple[tuple[Need, ...], frozenset[str]]] = {}
+        #: class idx → (its configured version, the lowest priority stamped on its Configured machines)
+        self._lowest_prio: dict[int, tuple[int, int]] = {}
         self.last_index_changes = 0
+        #: how many reused clusters had unmet needs last cycle (tests check the path is exercised)
+        self.last_unmet_reused = 0
 
     # --- inventory → index -----------------------------------------------------------------------
 
@@ -182,6 +207,7 @@ class Engine:
         self._ix = ix
         self._src, self._gen = inventory, gen
         self._cache.clear()
+        self._lowest_prio.clear()
         self.last_index_changes = len(self._by_mid)
         return ix
 
@@ -243,7 +269,9 @@ class Engine:
         counters = {"victims_scanned": 0}
         preempts, _ = preempt_all(cy, work, config, counters)
         self._mark("phase2")
-        verdicts, domains = self._verdicts(cy, by_cluster, split, stable)
+        watches = {fc.cluster: w for fc in split.fresh
+                   if fc.cluster not in stable and (w := self._unmet_watch(cy, fc)) is not None}
+        verdicts, domains = self._verdicts(cy, by_cluster, split, stable, watches)
         self._mark("verdicts")
         reclaims, deferred = reclaim_all(cy, state, config, preempts, self._cache, by_cluster)
         releases = idle_releases(cy, now, config)
@@ -253,7 +281,7 @@ class Engine:
         if config.max_actions_per_cycle > 0 and len(actions) > config.max_actions_per_cycle:
             truncated = actions[config.max_actions_per_cycle:]
             actions = actions[: config.max_actions_per_cycle]
-        led = ledgers(cy, work, state, config)
+        led = ledgers(cy, chain(work, split.unmet_rows), state, config)
         next_state = EngineState(  # key-sorted so equal states also print (and serialise) identically
             cycle=state.cycle + 1,
             shortfall_ages=dict(sorted(led.shortfall_ages.items())),
@@ -296,8 +324,10 @@ class Engine:
         ix = cy.ix
         base_key = (cy.dims, ix.classes_ver)
         free_ver = ix.free_ver
-        split = _Split({}, [], 0, 0)
+        split = _Split({}, [], 0, 0, [])
         free: set[int] | None = None
+        holds: dict[tuple[tuple[int, ...], tuple[int, ...]], bool] = {}
+        self.last_unmet_reused = 0
         for c in sorted(by_cluster):
             cn = by_cluster[c]
             split.needs_in += len(cn)
@@ -305,10 +335,15 @@ class Engine:
             cc = self._cache.get(c)
             if (cc is not None and cc.key[0] == base_key and cc.key[1] == cver
                     and (cc.key[2] is None or cc.key[2] == free_ver)
-                    and (cc.needs is cn or cc.needs == cn) and (not cc.gangs or _still_stable(cc, state))):
+                    and (cc.needs is cn or cc.needs == cn) and (not cc.gangs or _still_stable(cc, state))
+                    and (cc.watch is None or _watch_holds(cc.watch, ix, holds))):
                 split.cached[c] = cc
                 cy.held[c] = cc.held
                 cy.hconf[c] = cc.hconf
+                if cc.unmet_rows:
+                    _age_unmet(cc, state)
+                    split.unmet_rows.extend(cc.unmet_rows)
+                    self.last_unmet_reused += 1
                 continue
             if free is None:
                 free = {ci for (_st, ci) in ix.pool}
@@ -323,7 +358,7 @@ class Engine:
         return split
 
     def _verdicts(self, cy: CycleScratch, by_cluster: dict[str, tuple[Need, ...]], split: _Split,
-                  stable: set[str]) -> tuple[list[Verdict], dict[str, str]]:
+                  stable: set[str], watches: dict[str, UnmetWatch]) -> tuple[list[Verdict], dict[str, str]]:
         """Verdicts and gang domains, cluster by cluster in sorted order; stable clusters are cached."""
         verdicts: list[Verdict] = []
         domains: dict[str, str] = {}
@@ -344,10 +379,81 @@ class Engine:
             vs.sort(key=lambda v: (v.fingerprint, v.folded_into))
             verdicts.extend(vs)
             domains.update(doms)
-            if c in stable:
+            if c in stable or c in watches:
                 self._cache[c] = ClusterCache(fc.key, fc.needs, fc.rows, cy.held.get(c, {}), vs, doms,
-                                              cy.hconf.get(c, 0))
+                                              cy.hconf.get(c, 0), watches.get(c))
         return verdicts, domains
+
+    def _unmet_watch(self, cy: CycleScratch, fc: _FreshCluster) -> UnmetWatch | None:
+        """The `UnmetWatch` of a cluster whose short needs could get nothing this cycle; None when its
+        result involved anything global (an acquisition, a victim, a drain awaited, a reservation,
+        a gang) or some short need had supply it could have competed for."""
+        ix = cy.ix
+        classes: set[int] = set()
+        for n in fc.rows:
+            if (n.same is not None or n.reserved_credit or n.acquired_idle or n.acquired_spec or n.victims
+                    or n.remaining != n.p1_remaining):
+                return None
+            if not any(n.p1_remaining):
+                continue
+            for c in cy.eligible(n):
+                ci = c.idx
+                if ((IDLE, ci) in ix.pool or (SPEC, ci) in ix.pool or ix.draining_by_class.get(ci)
+                        or self._lowest_configured_priority(ix, ci) < n.prio):
+                    return None
+                classes.add(ci)
+        fingerprints = tuple(n.fp for n in fc.rows)
+        if any(ix.creating.get(fp) or ix.reserved_idle.get(fp) for fp in fingerprints):
+            return None
+        ordered = tuple(sorted(classes))
+        return UnmetWatch(ordered, tuple(ix.configured_ver.get(ci, 0) for ci in ordered), fingerprints)
+
+    def _lowest_configured_priority(self, ix: Index, ci: int) -> int:
+        """The lowest stamped priority among the class's Configured machines (cached per version)."""
+        ver = ix.configured_ver.get(ci, 0)
+        hit = self._lowest_prio.get(ci)
+        if hit is not None and hit[0] == ver:
+            return hit[1]
+        lowest = min((m.assignment.priority for m in ix.configured_by_class.get(ci, ())), default=_NO_VICTIM)
+        self._lowest_prio[ci] = (ver, lowest)
+        return lowest
+
+
+#: above every priority: a class without Configured machines has no victim for anyone
+_NO_VICTIM = 2**63
+
+
+def _watch_holds(watch: UnmetWatch, ix: Index, memo: dict[tuple[tuple[int, ...], tuple[int, ...]], bool]) -> bool:
+    """Whether an `UnmetWatch` still holds (the class part is shared by many clusters: memoised)."""
+    key = (watch.classes, watch.configured_vers)
+    ok = memo.get(key)
+    if ok is None:
+        pool, draining, vers = ix.pool, ix.draining_by_class, ix.configured_ver
+        ok = all(vers.get(ci, 0) == ver and (IDLE, ci) not in pool and (SPEC, ci) not in pool
+                 and not draining.get(ci) for ci, ver in zip(watch.classes, watch.configured_vers, strict=True))
+        memo[key] = ok
+    if not ok:
+        return False
+    creating, reserved = ix.creating, ix.reserved_idle
+    return not any(creating.get(fp) or reserved.get(fp) for fp in watch.fingerprints)
+
+
+def _age_unmet(cc: ClusterCache, state: EngineState) -> None:
+    """Move a reused cluster's short rows and their verdicts to this cycle's unmet ages."""
+    ages = state.unmet_ages
+    for n in cc.unmet_rows:
+        n.unmet_age = ages.get(n.key, 0) + 1
+    aged: list[Verdict] = []
+    for v in cc.verdicts:
+        if v.satisfied:
+            aged.append(v)
+            continue
+        age = ages.get(v.cluster_id + "\x00" + (v.folded_into or v.fingerprint), 0) + 1  # its row's key
+        if age == v.age_cycles_unmet:
+            aged.append(v)
+        else:
+            aged.append(build_fast(Verdict, {**v.__dict__, "age_cycles_unmet": age}))
+    cc.verdicts = aged
 
 
 def _age_parking(rows: list[NeedRow], state: EngineState, config: EngineConfig) -> None:

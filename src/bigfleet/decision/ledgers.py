@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .scratch import CycleScratch, NeedRow
@@ -22,43 +24,56 @@ class Ledgers:
     unresolved: int
 
 
-def ledgers(cy: CycleScratch, rows: list[NeedRow], state: EngineState, config: EngineConfig) -> Ledgers:
-    """Unmet ages and parking from the Phase-1 deficit; shortfalls from what Phase 2 left short."""
+def ledgers(cy: CycleScratch, rows: Iterable[NeedRow], state: EngineState, config: EngineConfig) -> Ledgers:
+    """Unmet ages and parking from the Phase-1 deficit; shortfalls from what Phase 2 left short.
+
+    `rows` may come in any order: a profile's shortfall takes its fields from its first row in
+    precedence order, and only the reported head of the shortfall list is built.
+    """
     unmet: dict[str, int] = {}
     parking: dict[str, int] = {}
     short: dict[str, list[NeedRow]] = {}
     n_unsat = n_unresolved = 0
     for n in rows:
-        unsat = any(n.p1_remaining)
-        if n.same is not None and unsat:
-            acquired = len(n.acquired_idle) + len(n.acquired_spec)
-            if not (acquired > 0 or n.same_sat):
-                parking[n.park_key] = n.park_age + 1
-        if unsat:
-            n_unsat += 1
-            unmet[n.key] = n.unmet_age
+        if not any(n.p1_remaining):
+            continue
+        if n.same is not None and not (n.acquired_idle or n.acquired_spec or n.same_sat):
+            parking[n.park_key] = n.park_age + 1
+        n_unsat += 1
+        unmet[n.key] = n.unmet_age
         if any(n.remaining):
-            short.setdefault(n.fp, []).append(n)
+            got = short.get(n.fp)
+            if got is None:
+                short[n.fp] = [n]
+            else:
+                got.append(n)
             n_unresolved += 1
-    ages: dict[str, int] = {}
-    shortfalls: list[Shortfall] = []
-    for fp, ns in short.items():
-        age = state.shortfall_ages.get(fp, 0) + 1
-        ages[fp] = age
-        deficit = cy.zero
-        for n in ns:
-            deficit = vadd(deficit, n.remaining)
-        head = ns[0]
-        shortfalls.append(Shortfall(
-            fingerprint=fp,
-            requirements=head.reqs,
-            deficit=to_resources(cy.dims, deficit),
-            priority=head.prio,
-            age_cycles=age,
-            interruption_bucket=head.ib,
-            reason=unmet_reason(cy, head, True),
-            clusters=tuple(sorted({n.cluster for n in ns})),
-            escalated=age > config.escalation_after_cycles,
-        ))
-    shortfalls.sort(key=lambda s: (-s.priority, -s.age_cycles, s.fingerprint))
-    return Ledgers(unmet, parking, ages, shortfalls[: max(0, config.shortfall_report_cap)], n_unsat, n_unresolved)
+    old_ages = state.shortfall_ages
+    ages = {fp: old_ages.get(fp, 0) + 1 for fp in short}
+    heads = {fp: (ns[0] if len(ns) == 1 else min(ns, key=_precedence)) for fp, ns in short.items()}
+    cap = max(0, config.shortfall_report_cap)
+    reported = heapq.nsmallest(cap, short, key=lambda fp: (-heads[fp].prio, -ages[fp], fp))
+    shortfalls = [_shortfall(cy, fp, short[fp], heads[fp], ages[fp], config) for fp in reported]
+    return Ledgers(unmet, parking, ages, shortfalls, n_unsat, n_unresolved)
+
+
+def _precedence(n: NeedRow) -> tuple[object, ...]:
+    return n.order
+
+
+def _shortfall(cy: CycleScratch, fp: str, rows: list[NeedRow], head: NeedRow, age: int,
+               config: EngineConfig) -> Shortfall:
+    deficit = cy.zero
+    for n in rows:
+        deficit = vadd(deficit, n.remaining)
+    return Shortfall(
+        fingerprint=fp,
+        requirements=head.reqs,
+        deficit=to_resources(cy.dims, deficit),
+        priority=head.prio,
+        age_cycles=age,
+        interruption_bucket=head.ib,
+        reason=unmet_reason(cy, head, True),
+        clusters=tuple(sorted({n.cluster for n in rows})),
+        escalated=age > config.escalation_after_cycles,
+    )

@@ -17,6 +17,7 @@ from .index import (
     Index,
     MClass,
 )
+from .types import MatchingSupply
 from .vec import Vec, covers
 
 MACHINE_ID = attrgetter("id")
@@ -142,6 +143,7 @@ class CycleScratch:
         self.merged_keep_order: dict[int, tuple[Any, list[tuple[MClass, Machine]]]] = {}
         self.mcur: dict[int, int] = {}
         self._domains: dict[tuple[tuple[Requirement, ...], Vec, str], list[tuple[str, list[MClass]]]] = {}
+        self.supply_memo: dict[int, tuple[list[MClass], MatchingSupply]] = {}
         self.bound_lists_memo: dict[tuple[str, int, tuple[Requirement, ...], Vec], list[tuple[MClass, list[Machine]]]] = {}
 
     # --- pool cursors ---------------------------------------------------------------------------

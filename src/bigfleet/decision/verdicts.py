@@ -20,12 +20,20 @@ from .vec import to_resources
 
 
 def _matching_supply(cy: CycleScratch, n: NeedRow) -> MatchingSupply:
+    """Idle, Speculative and Configured machines of the need's eligible classes (the index does not
+    change within a cycle, so one count per eligible-class list serves every need sharing it)."""
+    classes = cy.eligible(n)
+    hit = cy.supply_memo.get(id(classes))
+    if hit is not None and hit[0] is classes:
+        return hit[1]
     idle = spec = conf = 0
-    for c in cy.eligible(n):
+    for c in classes:
         idle += len(cy.ix.pool.get((IDLE, c.idx), ()))
         spec += len(cy.ix.pool.get((SPEC, c.idx), ()))
         conf += len(cy.ix.configured_by_class.get(c.idx, ()))
-    return MatchingSupply(idle=idle, configured=conf, speculative=spec, capped=False)
+    got = MatchingSupply(idle=idle, configured=conf, speculative=spec, capped=False)
+    cy.supply_memo[id(classes)] = (classes, got)
+    return got
 
 
 def unmet_reason(cy: CycleScratch, n: NeedRow, unsat: bool, supply: MatchingSupply | None = None) -> UnmetReason:
