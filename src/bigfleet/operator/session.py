@@ -276,6 +276,12 @@ class SessionClient:
                          asyncio.create_task(self._rollup_loop())]
                 try:
                     done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                    if tasks[0] in done and tasks[1] not in done:
+                        # A write racing the shard's close of a live session (a leader stepping
+                        # down) fails locally without the trailers; the reader is about to see
+                        # the real status and its redirect.
+                        more, _ = await asyncio.wait([tasks[1]], timeout=1.0)
+                        done |= more
                 finally:
                     for t in tasks:
                         t.cancel()
