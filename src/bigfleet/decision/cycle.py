@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain
 from typing import Literal
 
 from bigfleet.machine.inventory import Inventory
@@ -26,7 +25,6 @@ from .normalise import normalize_rows
 from .order import acquire_all, credit_all, needs_by_cluster
 from .preempt import preempt_all
 from .reclaim import reclaim_all
-from .records import build_fast
 from .release import idle_releases
 from .scratch import CycleScratch, NeedRow
 from .types import Action, Decision, Drain, EngineConfig, EngineState, PhaseStats, Verdict
@@ -60,7 +58,7 @@ class ClusterCache:
     `watch`) the unmet ones provably unable to get anything anywhere."""
 
     __slots__ = ("credited", "domains", "drains", "folded", "gangs", "hconf", "held", "key", "needs", "rows",
-                 "unmet_rows", "verdicts", "watch")
+                 "unmet_rows", "verdict_rows", "verdicts", "watch")
 
     def __init__(self, key: CacheKey, needs: tuple[Need, ...], rows: list[NeedRow], held: dict[str, NeedRow],
                  verdicts: list[Verdict], domains: dict[str, str], hconf: int, watch: UnmetWatch | None) -> None:
@@ -68,6 +66,7 @@ class ClusterCache:
         self.watch = watch
         #: rows short after Phase 1: their unmet age moves every cycle (verdicts and ledgers follow)
         self.unmet_rows = [n for n in rows if any(n.p1_remaining)]
+        self.verdict_rows: list[NeedRow | None] | None = None
         self.needs = needs
         self.rows = rows
         self.held = held
@@ -129,6 +128,9 @@ class Engine:
         self._cdims: dict[str, tuple[tuple[Need, ...], frozenset[str]]] = {}
         #: class idx → (its configured version, the lowest priority stamped on its Configured machines)
         self._lowest_prio: dict[int, tuple[int, int]] = {}
+        #: last cycle's unmet-age keys and their sorted order (see `_key_sorted_unmet`)
+        self._unmet_keys: set[str] = set()
+        self._unmet_order: list[str] = []
         self.last_index_changes = 0
         #: how many reused clusters had unmet needs last cycle (tests check the path is exercised)
         self.last_unmet_reused = 0
@@ -281,11 +283,11 @@ class Engine:
         if config.max_actions_per_cycle > 0 and len(actions) > config.max_actions_per_cycle:
             truncated = actions[config.max_actions_per_cycle:]
             actions = actions[: config.max_actions_per_cycle]
-        led = ledgers(cy, chain(work, split.unmet_rows), state, config)
+        led = ledgers(cy, work, state, config, split.unmet_rows)
         next_state = EngineState(  # key-sorted so equal states also print (and serialise) identically
             cycle=state.cycle + 1,
             shortfall_ages=dict(sorted(led.shortfall_ages.items())),
-            unmet_ages=dict(sorted(led.unmet_ages.items())),
+            unmet_ages=self._key_sorted_unmet(led.unmet_ages),
             parking=dict(sorted(led.parking.items())),
             same_domains=dict(sorted(domains.items())),
             first_rollup=state.first_rollup,
@@ -295,6 +297,14 @@ class Engine:
         self._mark("ledgers")
         self.last_phase_seconds.pop("_t", None)
         return _decision(actions, truncated, led, verdicts, stats, next_state, config)
+
+    def _key_sorted_unmet(self, ages: dict[str, int]) -> dict[str, int]:
+        """`ages` in key order; under persistent unmet demand the keys rarely change, so last
+        cycle's order is reused when they are the same (a set comparison instead of a sort)."""
+        if ages.keys() != self._unmet_keys:
+            self._unmet_keys = set(ages)
+            self._unmet_order = sorted(ages)
+        return {k: ages[k] for k in self._unmet_order}
 
     def _dims(self, by_cluster: dict[str, tuple[Need, ...]]) -> tuple[str, ...]:
         """The cycle's resource dimensions: the union over every need (cached per cluster)."""
@@ -326,7 +336,7 @@ class Engine:
         free_ver = ix.free_ver
         split = _Split({}, [], 0, 0, [])
         free: set[int] | None = None
-        holds: dict[tuple[tuple[int, ...], tuple[int, ...]], bool] = {}
+        watch_check = _WatchCheck(ix)
         self.last_unmet_reused = 0
         for c in sorted(by_cluster):
             cn = by_cluster[c]
@@ -336,7 +346,7 @@ class Engine:
             if (cc is not None and cc.key[0] == base_key and cc.key[1] == cver
                     and (cc.key[2] is None or cc.key[2] == free_ver)
                     and (cc.needs is cn or cc.needs == cn) and (not cc.gangs or _still_stable(cc, state))
-                    and (cc.watch is None or _watch_holds(cc.watch, ix, holds))):
+                    and (cc.watch is None or watch_check.holds(cc.watch))):
                 split.cached[c] = cc
                 cy.held[c] = cc.held
                 cy.hconf[c] = cc.hconf
@@ -423,36 +433,58 @@ class Engine:
 _NO_VICTIM = 2**63
 
 
-def _watch_holds(watch: UnmetWatch, ix: Index, memo: dict[tuple[tuple[int, ...], tuple[int, ...]], bool]) -> bool:
-    """Whether an `UnmetWatch` still holds (the class part is shared by many clusters: memoised)."""
-    key = (watch.classes, watch.configured_vers)
-    ok = memo.get(key)
-    if ok is None:
-        pool, draining, vers = ix.pool, ix.draining_by_class, ix.configured_ver
-        ok = all(vers.get(ci, 0) == ver and (IDLE, ci) not in pool and (SPEC, ci) not in pool
-                 and not draining.get(ci) for ci, ver in zip(watch.classes, watch.configured_vers, strict=True))
-        memo[key] = ok
-    if not ok:
-        return False
-    creating, reserved = ix.creating, ix.reserved_idle
-    return not any(creating.get(fp) or reserved.get(fp) for fp in watch.fingerprints)
+class _WatchCheck:
+    """Checks `UnmetWatch`es against this cycle's index: the class part is shared by many clusters
+    (memoised), the in-flight part is one set intersection per cluster."""
+
+    def __init__(self, ix: Index) -> None:
+        self.ix = ix
+        self.classes_ok: dict[tuple[tuple[int, ...], tuple[int, ...]], bool] = {}
+        self._in_flight: set[str] | None = None
+
+    def holds(self, watch: UnmetWatch) -> bool:
+        key = (watch.classes, watch.configured_vers)
+        ok = self.classes_ok.get(key)
+        if ok is None:
+            ix = self.ix
+            pool, draining, vers = ix.pool, ix.draining_by_class, ix.configured_ver
+            ok = all(vers.get(ci, 0) == ver and (IDLE, ci) not in pool and (SPEC, ci) not in pool
+                     and not draining.get(ci) for ci, ver in zip(watch.classes, watch.configured_vers, strict=True))
+            self.classes_ok[key] = ok
+        if not ok:
+            return False
+        if self._in_flight is None:  # fingerprints with a machine Creating or reserved Idle for them
+            self._in_flight = {fp for by_fp in (self.ix.creating, self.ix.reserved_idle)
+                               for fp, machines in by_fp.items() if machines}
+        return self._in_flight.isdisjoint(watch.fingerprints)
 
 
 def _age_unmet(cc: ClusterCache, state: EngineState) -> None:
     """Move a reused cluster's short rows and their verdicts to this cycle's unmet ages."""
     ages = state.unmet_ages
+    moved = False
     for n in cc.unmet_rows:
-        n.unmet_age = ages.get(n.key, 0) + 1
+        age = ages.get(n.key, 0) + 1
+        if age != n.unmet_age:
+            n.unmet_age = age
+            moved = True
+    if not moved:
+        return
+    if cc.verdict_rows is None:  # which row each verdict reports (None: a satisfied one), built once
+        by_key = {n.key: n for n in cc.unmet_rows}
+        cc.verdict_rows = [None if v.satisfied else by_key[v.cluster_id + "\x00" + (v.folded_into or v.fingerprint)]
+                           for v in cc.verdicts]
+    new, set_attr = object.__new__, object.__setattr__
     aged: list[Verdict] = []
-    for v in cc.verdicts:
-        if v.satisfied:
+    for v, row in zip(cc.verdicts, cc.verdict_rows, strict=True):
+        if row is None or row.unmet_age == v.age_cycles_unmet:
             aged.append(v)
             continue
-        age = ages.get(v.cluster_id + "\x00" + (v.folded_into or v.fingerprint), 0) + 1  # its row's key
-        if age == v.age_cycles_unmet:
-            aged.append(v)
-        else:
-            aged.append(build_fast(Verdict, {**v.__dict__, "age_cycles_unmet": age}))
+        fields = v.__dict__.copy()
+        fields["age_cycles_unmet"] = row.unmet_age
+        fresh = new(Verdict)
+        set_attr(fresh, "__dict__", fields)  # (as `build_fast`: one C-level copy, not a field merge)
+        aged.append(fresh)
     cc.verdicts = aged
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from .scratch import CycleScratch, NeedRow
 from .types import EngineConfig, EngineState, Shortfall
-from .vec import to_resources, vadd
+from .vec import to_resources
 from .verdicts import unmet_reason
 
 
@@ -24,11 +25,14 @@ class Ledgers:
     unresolved: int
 
 
-def ledgers(cy: CycleScratch, rows: Iterable[NeedRow], state: EngineState, config: EngineConfig) -> Ledgers:
+def ledgers(cy: CycleScratch, rows: Iterable[NeedRow], state: EngineState, config: EngineConfig,
+            still_short: Sequence[NeedRow] = ()) -> Ledgers:
     """Unmet ages and parking from the Phase-1 deficit; shortfalls from what Phase 2 left short.
 
-    `rows` may come in any order: a profile's shortfall takes its fields from its first row in
-    precedence order, and only the reported head of the shortfall list is built.
+    `still_short`: rows of reused clusters, each short by the same amount after Phase 1 and Phase 2
+    and no gang (the `UnmetWatch` conditions), so they skip the per-row tests. Rows may come in any
+    order: a profile's shortfall takes its fields from its first row in precedence order, and only
+    the reported head of the shortfall list is built.
     """
     unmet: dict[str, int] = {}
     parking: dict[str, int] = {}
@@ -41,31 +45,38 @@ def ledgers(cy: CycleScratch, rows: Iterable[NeedRow], state: EngineState, confi
             parking[n.park_key] = n.park_age + 1
         n_unsat += 1
         unmet[n.key] = n.unmet_age
-        if any(n.remaining):
+        if n.remaining is n.p1_remaining or any(n.remaining):
             got = short.get(n.fp)
             if got is None:
                 short[n.fp] = [n]
             else:
                 got.append(n)
             n_unresolved += 1
+    unmet.update([(n.key, n.unmet_age) for n in still_short])
+    n_unsat += len(still_short)
+    n_unresolved += len(still_short)
+    get = short.get
+    for n in still_short:
+        got = get(n.fp)
+        if got is None:
+            short[n.fp] = [n]
+        else:
+            got.append(n)
     old_ages = state.shortfall_ages
     ages = {fp: old_ages.get(fp, 0) + 1 for fp in short}
-    heads = {fp: (ns[0] if len(ns) == 1 else min(ns, key=_precedence)) for fp, ns in short.items()}
+    heads = {fp: (ns[0] if len(ns) == 1 else min(ns, key=_PRECEDENCE)) for fp, ns in short.items()}
     cap = max(0, config.shortfall_report_cap)
     reported = heapq.nsmallest(cap, short, key=lambda fp: (-heads[fp].prio, -ages[fp], fp))
     shortfalls = [_shortfall(cy, fp, short[fp], heads[fp], ages[fp], config) for fp in reported]
     return Ledgers(unmet, parking, ages, shortfalls, n_unsat, n_unresolved)
 
 
-def _precedence(n: NeedRow) -> tuple[object, ...]:
-    return n.order
+_PRECEDENCE = attrgetter("order")
 
 
 def _shortfall(cy: CycleScratch, fp: str, rows: list[NeedRow], head: NeedRow, age: int,
                config: EngineConfig) -> Shortfall:
-    deficit = cy.zero
-    for n in rows:
-        deficit = vadd(deficit, n.remaining)
+    deficit = tuple(map(sum, zip(*[n.remaining for n in rows], strict=True))) if rows else cy.zero
     return Shortfall(
         fingerprint=fp,
         requirements=head.reqs,
