@@ -6,8 +6,9 @@ equal machines are credited in bulk (one slice and one C-level dict update per r
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterable
-from itertools import groupby, repeat
+from itertools import repeat
 from typing import Any
 
 from bigfleet.machine.record import Machine
@@ -62,27 +63,7 @@ def _band_hold(cy: CycleScratch, n: NeedRow, state: int, lists: list[tuple[MClas
     if hit is not None and hit[0] is lists:
         runs = hit[1]
     else:
-        # split every class list into segments of equal reclamation penalty (contiguous: the list is
-        # in keep order), order segments by (price, reclamation desc, class), then concatenate
-        # neighbours of equal allocatable into runs
-        segs: list[tuple[float, float, Any, Vec, list[Machine], int, int]] = []
-        for c, lst in lists:
-            a = cy.alloc[c.idx]
-            if RECLAMATION_STAMP(lst[0]) == RECLAMATION_STAMP(lst[-1]):  # one penalty in the whole class (the common case)
-                segs.append((c.price, -m_reclamation(lst[0]), c.sort_key, a, lst, 0, len(lst)))
-                continue
-            pos = 0
-            for r, grp in groupby(map(m_reclamation, lst)):
-                cnt = len(list(grp))
-                segs.append((c.price, -r, c.sort_key, a, lst, pos, pos + cnt))
-                pos += cnt
-        segs.sort(key=lambda t: (t[0], t[1], t[2]))
-        runs = []
-        for _, _, _, a, lst, lo, hi in segs:
-            if runs and runs[-1][0] == a:
-                runs[-1][1].extend(lst[lo:hi])
-            else:
-                runs.append((a, lst[lo:hi]))
+        runs = _keep_runs(cy, lists)
         cy.band_runs[id(lists)] = (lists, runs)
     if runs is None:
         return False
@@ -118,6 +99,40 @@ def _band_hold(cy: CycleScratch, n: NeedRow, state: int, lists: list[tuple[MClas
     if state == CONFIGURED and all_taken:
         cy.hconf[n.cluster] = cy.hconf.get(n.cluster, 0) + all_taken
     return clean
+
+
+def _keep_runs(cy: CycleScratch, lists: list[tuple[MClass, list[Machine]]]) -> list[tuple[Vec, list[Machine]]]:
+    """Split every class list into segments of equal reclamation penalty, order the segments by
+    (price, reclamation desc, class), and concatenate neighbours of equal allocatable into runs.
+
+    A class list is in keep order (reclamation desc, then id), so a segment ends where a binary
+    search for its penalty says: O(penalties × log machines) per class, not a walk of every machine
+    (a wave of drains changes every cluster, and this ran over the whole fleet each cycle).
+    """
+    segs: list[tuple[float, float, Any, Vec, list[Machine], int, int]] = []
+    for c, lst in lists:
+        a = cy.alloc[c.idx]
+        if RECLAMATION_STAMP(lst[0]) == RECLAMATION_STAMP(lst[-1]):  # one penalty in the whole class (common)
+            segs.append((c.price, -m_reclamation(lst[0]), c.sort_key, a, lst, 0, len(lst)))
+            continue
+        pos, size = 0, len(lst)
+        while pos < size:
+            r = m_reclamation(lst[pos])
+            end = bisect_right(lst, -r, pos, size, key=_negated_reclamation)
+            segs.append((c.price, -r, c.sort_key, a, lst, pos, end))
+            pos = end
+    segs.sort(key=lambda t: (t[0], t[1], t[2]))
+    runs: list[tuple[Vec, list[Machine]]] = []
+    for _, _, _, a, lst, lo, hi in segs:
+        if runs and runs[-1][0] == a:
+            runs[-1][1].extend(lst[lo:hi])
+        else:
+            runs.append((a, lst[lo:hi]))
+    return runs
+
+
+def _negated_reclamation(m: Machine) -> float:
+    return -m_reclamation(m)
 
 
 def _bulk_hold(cy: CycleScratch, n: NeedRow, state: int, c: MClass, lst: list[Machine]) -> bool:
