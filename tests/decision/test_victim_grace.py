@@ -96,3 +96,24 @@ def test_one_engine_orders_victims_per_preemptor_priority() -> None:
         d = engine.decide([need("t", 1, profile(prio))], inv, NOW, EngineState(), EngineConfig())
         picks.append([a.machine_id for a in drains(d)])
     assert picks == [["v-low"], ["v-high"], ["v-low"]]
+
+
+def test_bucketed_victim_sort_equals_the_keyed_sort() -> None:
+    """Phase 2 sorts a class's candidates by bucketing equal (score, priority) pairs: the same order
+    as sorting by the per-machine key (score, stamped priority, id) on random classes."""
+    import random
+
+    from bigfleet.decision.preempt import _grace_bounds, _tier_key_for, _victim_sorter
+
+    from .fx import machine
+
+    rnd = random.Random(5)
+    for _ in range(200):
+        price = rnd.choice((0.0, 1.5, 36.0))
+        ms = sorted((machine(f"m{i:03d}", S.CONFIGURED, cluster="x", price=price,
+                             prio=rnd.choice((0, 100, 499_999, 899_999, 950_000)),
+                             ipd=rnd.choice((0.0, 1.0, 64.0, float("nan"), -3.0)), rpd=rnd.choice((0.0, 8.0, 64.0)))
+                     for i in rnd.sample(range(500), rnd.randint(0, 40))), key=lambda m: m.id)
+        bounds = _grace_bounds(rnd.choice((500_000, 1_000_000)))
+        ms = [m for m in ms if m.assignment.priority < bounds[-1]]  # (the candidates: strictly lower)
+        assert _victim_sorter(bounds)(ms) == sorted(ms, key=_tier_key_for(bounds))

@@ -379,10 +379,12 @@ class VictimOrders:
         self.by_bounds: dict[tuple[int, ...], list[Machine]] = {}
 
 
-def victim_order(ix: Index, ci: int, bounds: tuple[int, ...], key: Callable[[Machine], Any]) -> list[Machine]:
-    """Class `ci`'s CONFIGURED machines whose stamped priority is below ``bounds[-1]``, sorted by `key`.
+def victim_order(ix: Index, ci: int, bounds: tuple[int, ...],
+                 order: Callable[[list[Machine]], list[Machine]]) -> list[Machine]:
+    """Class `ci`'s CONFIGURED machines whose stamped priority is below ``bounds[-1]``, in victim
+    order: `order` sorts a list of them given in id order.
 
-    ``bounds`` ascend; `key` may depend on a machine's priority only through its *tier*,
+    ``bounds`` ascend; the order may depend on a machine's priority only through its *tier*,
     ``bisect_right(bounds, priority)`` (which bound it is below). Only the partition of the
     class's distinct priorities into tiers matters, so one sorted list serves every bounds tuple
     with the same partition (in practice: every preemptor of one priority). Cached until the
@@ -401,7 +403,7 @@ def victim_order(ix: Index, ci: int, bounds: tuple[int, ...], key: Callable[[Mac
     got = vo.by_cuts.get(cuts)
     if got is None:
         top = bounds[-1]
-        got = sorted([m for m in vo.machines if m.assignment.priority < top], key=key) if cuts[-1] else []
+        got = order([m for m in vo.machines if m.assignment.priority < top]) if cuts[-1] else []
         if len(vo.by_cuts) >= VictimOrders.MAX_ORDERS:
             vo.by_cuts.clear()
         vo.by_cuts[cuts] = got

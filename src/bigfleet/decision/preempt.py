@@ -111,6 +111,39 @@ def preempt_all(cy: CycleScratch, rows: list[NeedRow], config: EngineConfig, sta
     return done.actions, done.victims
 
 
+def _victim_sorter(bounds: tuple[int, ...]) -> Callable[[list[Machine]], list[Machine]]:
+    """Sort id-ordered candidates by the key `_tier_key_for` gives, without a key call per machine.
+
+    Within a class the price is one, so a score depends only on (interruption, reclamation, tier):
+    scores are computed once per distinct triple, machines bucketed by (score, stamped priority) in
+    one pass (id order kept within a bucket), and the buckets concatenated in key order. Same order
+    as sorting by (score, priority, id); a cold Phase 2 sorted every Configured machine by a Python
+    key before.
+    """
+    def order(machines: list[Machine]) -> list[Machine]:
+        scores: dict[tuple[float, float, int, float], float] = {}
+        buckets: dict[tuple[float, int], list[Machine]] = {}
+        for m in machines:
+            a = m.assignment
+            q = a.priority
+            ipd, rpd = a.interruption_penalty_dollars, a.reclamation_penalty_dollars
+            k = (0.0 if ipd != ipd or ipd < 0 else ipd, 0.0 if rpd != rpd or rpd < 0 else rpd,
+                 _TIER_GRACE[bisect_right(bounds, q)], m.shape.price_per_hour)
+            s = scores.get(k)
+            if s is None:
+                s = scores[k] = victim_score(*k)
+            bucket = buckets.get((s, q))
+            if bucket is None:
+                buckets[(s, q)] = [m]
+            else:
+                bucket.append(m)
+        out: list[Machine] = []
+        for bk in sorted(buckets):
+            out.extend(buckets[bk])
+        return out
+    return order
+
+
 def _tier_key_for(bounds: tuple[int, ...]) -> Callable[[Machine], _VKey]:
     """`_victim_key` with the grace of the *stamped* priority's tier, inlined (runs per candidate)."""
     def tier_key(m: Machine) -> _VKey:
@@ -134,7 +167,7 @@ def _preempt_for(cy: CycleScratch, n: NeedRow, classes: list[MClass], done: _Pre
     bounds = _grace_bounds(prio)
     tier_key = _tier_key_for(bounds)
     lists = [lst for c in classes if c.idx in ix.configured_by_class
-             for lst in (victim_order(ix, c.idx, bounds, tier_key),) if lst]
+             for lst in (victim_order(ix, c.idx, bounds, _victim_sorter(bounds)),) if lst]
     if _await_draining(cy, n, classes) or not lists:
         return
     held, victims = cy.held, done.victims
