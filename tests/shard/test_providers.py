@@ -156,6 +156,8 @@ async def test_a_full_list_forgets_only_its_own_providers_machines(
     ids = set(d.view.ids())
     assert "metal/ghost" not in ids  # metal answered: its erased machine goes
     assert "cloud/ghost" in ids and {"cloud/aws-00000", "cloud/gcp-00000"} <= ids  # cloud's stay as last read
+    reachable = d.metrics.provider_reachable
+    assert reachable.labels("metal")._value.get() == 1 and reachable.labels("cloud")._value.get() == 0
     b.down = False
     await d.reconciler.reconcile(full=True)
     assert "cloud/ghost" not in set(d.view.ids()) and len(d.view) == 6

@@ -71,6 +71,10 @@ class ShardMetrics:
         self.provider_errors = Counter(
             "bigfleet_shard_provider_rpc_errors_total", "Provider RPC failures per attempt", ["rpc", "code"], registry=r
         )
+        self.provider_reachable = Gauge(
+            "bigfleet_shard_provider_reachable", "1 while the provider's last List answered, 0 after one failed "
+            "(per provider of the pool; 'default' for a single unnamed one)", ["provider"], registry=r
+        )
         self.paused = Gauge("bigfleet_shard_actuation_paused", "1 while actuation is paused", registry=r)
         self.outbox_overflow = Counter(
             "bigfleet_shard_outbox_overflow_total", "Sessions closed because their outbox overflowed", registry=r

@@ -84,7 +84,13 @@ class Reconciler:
         cursor = self._cursor[name]
         full = full or not cursor or self._count[name] % self.full_every == 0
         mark = self.executor.end_mark()
-        lst = await src.list(b"" if full else cursor)
+        reachable = self.metrics.provider_reachable.labels(name or "default")
+        try:
+            lst = await src.list(b"" if full else cursor)
+        except ProviderError:
+            reachable.set(0)
+            raise
+        reachable.set(1)
         view, seen = self.view, set[str]()
         for i, pb in enumerate(lst.machines):
             if i % 1000 == 999:
