@@ -302,10 +302,10 @@ def _apply(ix: Index, m: Machine, ci: int, add: bool) -> None:
         _free(ix, ci, d)
         if st is S.IDLE:
             ctype = int(ix.classes[ci].capacity_type)
-            op(ix.idle_by_type.setdefault(ctype, []), m, id_key)
+            op(ix.idle_by_type.setdefault(ctype, []), m, _ID)
             fp = m.assignment.need_fingerprint
             if fp:
-                op(ix.reserved_idle.setdefault(fp, []), m, id_key)
+                op(ix.reserved_idle.setdefault(fp, []), m, _ID)
     elif st is S.CONFIGURED or st is S.CONFIGURING:
         cluster = m.cluster
         if cluster:
@@ -315,7 +315,7 @@ def _apply(ix: Index, m: Machine, ci: int, add: bool) -> None:
                 del by_class[ci]
             ix.cluster_ver[cluster] = ix.cluster_ver.get(cluster, 0) + 1
         if st is S.CONFIGURED:
-            op(ix.configured_by_class.setdefault(ci, []), m, id_key)
+            op(ix.configured_by_class.setdefault(ci, []), m, _ID)
             ix.configured_ver[ci] = ix.configured_ver.get(ci, 0) + 1
             if cluster:
                 n = ix.configured_count.get(cluster, 0) + d
@@ -325,13 +325,13 @@ def _apply(ix: Index, m: Machine, ci: int, add: bool) -> None:
                     ix.configured_count.pop(cluster, None)
     elif st is S.DRAINING:
         lst = ix.draining_by_class.setdefault(ci, [])
-        op(lst, m, id_key)
+        op(lst, m, _ID)
         if not lst:
             del ix.draining_by_class[ci]
     elif st is S.CREATING:
         fp = m.assignment.need_fingerprint
         if fp:
-            op(ix.creating.setdefault(fp, []), m, id_key)
+            op(ix.creating.setdefault(fp, []), m, _ID)
 
 
 def free_supply(ix: Index, busy: Iterable[str], by_id: Mapping[str, Machine]
@@ -424,4 +424,6 @@ def keep_key(m: Machine) -> tuple[float, str]:
 
 
 def id_key(m: Machine) -> str:
+    """Id order (`_apply` uses the C-level ``attrgetter("id")`` for the same order: a Python key per
+    bisect probe made a wave of 25 000 drains cost ~0.2 s in index updates alone)."""
     return m.id
