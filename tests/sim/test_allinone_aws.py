@@ -21,7 +21,7 @@ def test_all_in_one_aws_emulator_pools_bare_metal_and_aws(tmp_path: Path) -> Non
     sc.write_text("inventory: {committed: 2, speculative: 6}\n"
                   "clusters:\n  alpha:\n    - {name: web, pods: 4, cpu: 7, priority: 1000}\n")
     r = subprocess.run([sys.executable, "-m", "bigfleet.cli.main", "all-in-one", "--aws-emulator", "--scenario",
-                        str(sc), "--duration", "5", "--tick", "0.5", "--print-every", "2"],
+                        str(sc), "--duration", "8", "--tick", "0.5", "--print-every", "2"],
                        capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
     out = r.stdout
     assert r.returncode == 0, out + r.stderr
