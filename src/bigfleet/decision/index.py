@@ -192,26 +192,23 @@ def _index_class(ix: Index, c: MClass, machines: list[Machine]) -> None:
             free += len(group)
         elif st is conf_s or st is cing_s:
             sti = int(st)
+            # one dict operation per machine (grouping by cluster), then one nested insert per cluster
+            by_cluster: dict[str, list[Machine]] = {}
             for m in group:
-                cluster = m.cluster
-                if cluster:
-                    cb = bound.get(cluster)
-                    if cb is None:
-                        cb = bound[cluster] = {}
-                    sb = cb.get(sti)
-                    if sb is None:
-                        sb = cb[sti] = {}
-                    lst = sb.get(ci)
-                    if lst is None:
-                        sb[ci] = [m]
-                    else:
-                        lst.append(m)
+                lst = by_cluster.get(m.cluster)
+                if lst is None:
+                    by_cluster[m.cluster] = [m]
+                else:
+                    lst.append(m)
+            cc = ix.configured_count
+            for cluster, lst in by_cluster.items():
+                if not cluster:
+                    continue
+                bound.setdefault(cluster, {}).setdefault(sti, {})[ci] = lst
+                if st is conf_s:
+                    cc[cluster] = cc.get(cluster, 0) + len(lst)
             if st is conf_s:
                 ix.configured_by_class[ci] = group
-                cc = ix.configured_count
-                for m in group:
-                    if m.cluster:
-                        cc[m.cluster] = cc.get(m.cluster, 0) + 1
         elif st is drain_s:
             ix.draining_by_class[ci] = group
         elif st is crea_s:
