@@ -99,6 +99,15 @@ async def test_ids_are_prefixed_and_calls_route_to_the_owner(pair: tuple[Provide
     ack = await router.configure("metal/onprem-00000", "c1", b"blob", {"k": "v"})
     assert ack.machine.id == "metal/onprem-00000"
     assert a.sim.core.machines["onprem-00000"].shard_metadata[OWNER_KEY] == "s1"
+    # Drain and Delete go to the holder too, with its own id.
+    a.sim.advance(10_000)
+    b.sim.advance(10_000)
+    assert (await router.drain("metal/onprem-00000", 0)).machine.id == "metal/onprem-00000"
+    assert (await router.delete("cloud/aws-00000")).machine.id == "cloud/aws-00000"
+    assert ("Drain", "onprem-00000") in a.calls and not any(c[0] == "Drain" for c in b.calls)
+    assert ("Delete", "aws-00000") in b.calls and not any(c[0] == "Delete" for c in a.calls)
+    assert a.sim.core.machines["onprem-00000"].state.name == "DRAINING"
+    assert b.sim.core.machines["aws-00000"].state.name == "DELETING"
     for bad in ("onprem-00000", "gcp/onprem-00000", "metal/"):
         with pytest.raises(ProviderError) as ei:
             await router.drain(bad, 0)
