@@ -31,6 +31,7 @@ class Switch:
     def __init__(self, sim: SimProvider) -> None:
         self.sim, self.inner, self.down = sim, SimStub(sim), False
         self.calls: list[tuple[str, str]] = []
+        self.fence_creates = False  # answer Create with the fencing code (a newer epoch acted)
 
     def __getattr__(self, rpc: str) -> Any:
         async def call(req: Any, **kw: Any) -> Any:
@@ -38,6 +39,9 @@ class Switch:
             if self.down:
                 raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                            "provider down")
+            if self.fence_creates and rpc == "Create":
+                raise grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(),
+                                           grpc.aio.Metadata(), "stale epoch")
             return await getattr(self.inner, rpc)(req, **kw)
         return call
 
@@ -225,3 +229,26 @@ def test_a_malformed_provider_flag_is_a_clear_cli_error(capsys: pytest.CaptureFi
         assert ei.value.code == 2
         err = capsys.readouterr().err
         assert "--provider: " in err and why in err, err
+
+
+async def test_each_provider_is_fenced_with_the_epoch_and_any_fencing_answer_steps_down() -> None:
+    from bigfleet.shard.ha.controller import FencedProviderClient
+
+    a, b = Switch(fake(2, 0)), Switch(fake(0, 4))
+    stubs = {"x:1": a, "y:2": b}
+    fenced: list[ProviderError] = []
+    router = build_provider(parse_provider_specs("metal=x:1,cloud=y:2"), lambda t: FencedProviderClient(
+        "in-process", "s1", 7, stub=stubs[t], max_attempts=1, on_fenced=fenced.append))
+    await router.configure("metal/onprem-00000", "c1", b"blob", {})
+    await router.configure("metal/aws-00000", "c1", b"blob", {})
+    await router.create("cloud/aws-00000")
+    # Every call carried the shard's epoch; each provider has its own fencing sequence.
+    fa, fb = a.sim.core.fences, b.sim.core.fences
+    assert set(fa) == {("s1", "onprem-00000"), ("s1", "aws-00000")} and set(fb) == {("s1", "aws-00000")}
+    assert {e for e, _ in [*fa.values(), *fb.values()]} == {7}
+    assert sorted(q for _, q in fa.values()) == [1, 2] and [q for _, q in fb.values()] == [1]
+    assert not fenced
+    b.fence_creates = True
+    with pytest.raises(ProviderError) as ei:
+        await router.create("cloud/aws-00001")
+    assert ei.value.fenced and fenced == [ei.value]  # the controller steps this replica down
