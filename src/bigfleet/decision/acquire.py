@@ -115,6 +115,7 @@ def _bulk_take(cy: CycleScratch, n: NeedRow, state: int, c: MClass) -> None:
     claim.update(zip(ids, repeat(n)))
     n.claimed.extend(got)
     cy.taken[key] = cy.taken.get(key, 0) + len(got)
+    cy.pool_ver[c.idx] = cy.pool_ver.get(c.idx, 0) + 1
     (n.acquired_idle if state == IDLE else n.acquired_spec).extend(got)
     taken = len(got)
     n.remaining = vsub(n.remaining, tuple([x * taken for x in a]))

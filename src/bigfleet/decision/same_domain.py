@@ -88,15 +88,7 @@ def credit_same(cy: CycleScratch, n: NeedRow, sticky: str | None) -> None:
     _count_creating(cy, n, key, buckets)
     if not n.parked:
         for v, classes in cy.domains(n, key):
-            count = 0
-            total = None
-            for c in classes:
-                for state in (IDLE, SPEC):
-                    avail = cy.available((state, c.idx))
-                    if avail > 0:
-                        count += avail
-                        a = tuple([x * avail for x in alloc[c.idx]])
-                        total = a if total is None else vadd(total, a)
+            count, total = _domain_free(cy, classes)
             if total is None:
                 continue
             b = buckets.get(v)
@@ -136,8 +128,32 @@ def credit_same(cy: CycleScratch, n: NeedRow, sticky: str | None) -> None:
                 if used:
                     rem = vsub(rem, tuple([x * used for x in a]))
                     cy.vused[k] = cy.vused.get(k, 0) + used
+                    cy.pool_ver[c.idx] = cy.pool_ver.get(c.idx, 0) + 1
                 if not any(rem):
                     return
+
+
+def _domain_free(cy: CycleScratch, classes: list[MClass]) -> tuple[int, Vec | None]:
+    """Free (Idle + Speculative, not taken or virtually reserved) machines of a domain's classes and
+    their total allocatable (None: none). Gangs of one shape rank the same domains one after the
+    other, and between two of them only the chosen domain's pools change: the sums are memoised
+    per domain and recomputed only when one of its classes' pool versions moved."""
+    vers = tuple([cy.pool_ver.get(c.idx, 0) for c in classes])
+    hit = cy.domain_free.get(id(classes))
+    if hit is not None and hit[0] is classes and hit[1] == vers:
+        return hit[2], hit[3]
+    alloc = cy.alloc
+    count = 0
+    total: Vec | None = None
+    for c in classes:
+        for state in (IDLE, SPEC):
+            avail = cy.available((state, c.idx))
+            if avail > 0:
+                count += avail
+                a = tuple([x * avail for x in alloc[c.idx]])
+                total = a if total is None else vadd(total, a)
+    cy.domain_free[id(classes)] = (classes, vers, count, total)
+    return count, total
 
 
 def _count_creating(cy: CycleScratch, n: NeedRow, key: str, buckets: dict[str, DomainBucket]) -> None:

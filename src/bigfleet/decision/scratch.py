@@ -129,6 +129,10 @@ class CycleScratch:
         self.cursor: dict[tuple[int, int], int] = {}
         self.taken: dict[tuple[int, int], int] = {}
         self.vused: dict[tuple[int, int], int] = {}
+        #: class idx → bumped whenever `taken` or `vused` of its pools changes (domain supply memo)
+        self.pool_ver: dict[int, int] = {}
+        #: id(domain class list) → (the list, its classes' pool versions, free count, free total)
+        self.domain_free: dict[int, tuple[list[MClass], tuple[int, ...], int, Vec | None]] = {}
         #: DRAINING machines already counted against some need's deficit this cycle (Phase 2)
         self.awaited: set[str] = set()
         self.zero: Vec = tuple(0 for _ in dims)
@@ -171,6 +175,7 @@ class CycleScratch:
         n.claimed.append(m)
         if key is not None:
             self.taken[key] = self.taken.get(key, 0) + 1
+            self.pool_ver[key[1]] = self.pool_ver.get(key[1], 0) + 1
 
     def eligible(self, n: NeedRow) -> list[MClass]:
         """Classes matching the need's requirements whose allocatable covers its MinUnit (cached)."""
