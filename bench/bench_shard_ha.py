@@ -690,7 +690,7 @@ async def scale_failovers(machines: int, runs: int, clusters: int, standins: int
     t_start = time.monotonic()
     g = ScaleGroup(machines, clusters, workdir, cycle_interval, standins, probe, raft_timeouts, pyspy)
     out: dict[str, Any] = {"machines": machines, "clusters": clusters, "bound": g.bound,
-                           "raft_timeouts": raft_timeouts or "shipped (0.3, 0.6, 1.0 s)",
+                           "raft_timeouts": raft_timeouts or "shipped (replica groups: 3-6 s elections, 6 s fallback)",
                            "plan_s": round(g.plan_s, 1), "workdir": str(workdir), "runs": [], "steady": [],
                            "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                            "load_start": os.getloadavg()}
@@ -797,7 +797,7 @@ def main(argv: list[str]) -> int:
                          "control probe process, to tell GIL stalls from a loaded box")
     ap.add_argument("--failover-raft-timeouts", default="", metavar="MIN,MAX,FALLBACK",
                     help="diagnostics: run the replicas' Raft members with these election timeouts and leader "
-                         "fallback (seconds) instead of the shipped 0.3,0.6,1.0 (implies --failover-probe)")
+                         "fallback (seconds) instead of the shipped 3,6,6 for replica groups (implies --failover-probe)")
     ap.add_argument("--failover-pyspy", default="", metavar="PATH",
                     help="diagnostics: a py-spy binary; each survivor is sampled (--gil, speedscope) from just "
                          "before the kill to the first cycle, into the logs dir")

@@ -12,7 +12,7 @@ heartbeats and answers no votes.
     python -m bench.stall_probe --control                 # the probe alone
 
 Diagnostics only: with ``BENCH_RAFT_TIMEOUTS=MIN,MAX,FALLBACK`` (seconds) the shard's Raft member
-runs with those election timeouts and leader fallback instead of the shipped 0.3, 0.6 and 1.0 s
+runs with those election timeouts and leader fallback instead of the shipped 3, 6 and 6 s
 (``bigfleet.raft.settings``), to see what a takeover costs when leadership does not flap.
 """
 
