@@ -42,6 +42,8 @@ class FakeShard(shard_pb2_grpc.ShardServicer):
         self.active = 0
         self.max_active = 0
         self.on_open: Callable[[Conn], None] | None = None
+        # A stepped-down leader: new Sessions are refused at their Hello with this redirect.
+        self.refuse_with_redirect = ""
 
     @property
     def target(self) -> str:
@@ -69,6 +71,9 @@ class FakeShard(shard_pb2_grpc.ShardServicer):
         if first.WhichOneof("payload") != "hello" or not first.hello.cluster_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first frame must be Hello with cluster_id")
         self.hellos.append(first.hello)
+        if self.refuse_with_redirect:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "not the shard leader",
+                                trailing_metadata=(("bigfleet-redirect", self.refuse_with_redirect),))
         self.peers.append(str(peer_identity(context)))
         conn = Conn(first.hello.cluster_id)
         old = self.conns.get(conn.cluster_id)

@@ -250,8 +250,30 @@ async def test_redirect_trailer_is_followed(kube: KubeTestServer, api: Any, shar
         op.session.backoff = Backoff(initial=30, cap=30)  # a redirect must not wait for the backoff
         async with running(op):
             await eventually(lambda: "c1" in shard.conns, what="session on first shard")
+            # The first shard steps down: it closes the live session with a redirect, and refuses
+            # new ones with it, as a follower does. (The close's trailer can be lost to a write
+            # racing it; the operator then asks again at once and gets the refusal whole.)
+            shard.refuse_with_redirect = other.target
             shard.close_with("c1", grpc.StatusCode.UNAVAILABLE, "not the leader",
                              (("bigfleet-redirect", other.target),))
+            await eventually(lambda: other.rollups, timeout=10, what="session on the redirect target")
+    finally:
+        await other.stop()
+
+
+async def test_a_session_whose_status_was_lost_asks_again_at_once(kube: KubeTestServer, api: Any,
+                                                                  shard: FakeShard) -> None:
+    """A live session ending INTERNAL without trailers (what grpc-aio reports when a write races the
+    shard closing the stream) is retried at once, not after the backoff: a shard that stepped down
+    then refuses the Hello with its redirect."""
+    other = await FakeShard().start()
+    try:
+        op = make_op(api, shard)
+        op.session.backoff = Backoff(initial=30, cap=30)
+        async with running(op):
+            await eventually(lambda: "c1" in shard.conns, what="session on first shard")
+            shard.refuse_with_redirect = other.target
+            shard.close_with("c1", grpc.StatusCode.INTERNAL, "Internal error from Core")
             await eventually(lambda: other.rollups, timeout=10, what="session on the redirect target")
     finally:
         await other.stop()

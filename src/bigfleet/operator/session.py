@@ -309,6 +309,7 @@ class SessionClient:
         """Keep one session open until cancelled."""
         while True:
             self._redirect_to = None
+            opened, status_lost = self.sessions, False
             try:
                 target = await self.resolver.resolve()
                 await self._session(target)
@@ -319,12 +320,22 @@ class SessionClient:
                 for k, v in exc.trailing_metadata() or ():
                     if k == REDIRECT_METADATA_KEY and v:
                         self._redirect_to = str(v)
+                status_lost = exc.code() == grpc.StatusCode.INTERNAL
             except Exception as exc:
                 log.warning("session ended", error=f"{type(exc).__name__}: {exc}"[:300])
             self.metrics.reconnects.inc()
             if self._redirect_to and self._redirect_to != self.target:
                 log.info("following redirect", target=self._redirect_to)
                 self.resolver.redirect(self._redirect_to)
+                continue
+            if status_lost and self.sessions > opened and self.target:
+                # An open session ended locally (grpc-aio reports INTERNAL when a write races the
+                # shard closing the stream, and the shard's status and redirect are lost). Ask
+                # again at once: a shard that stepped down refuses the Hello, and that refusal,
+                # written before anything else, arrives whole with its redirect.
+                log.info("session ended without the shard's status; reconnecting at once", target=self.target)
+                self.resolver.redirect(self.target)
+                await asyncio.sleep(0.1)
                 continue
             await asyncio.sleep(self.backoff.next())
 
