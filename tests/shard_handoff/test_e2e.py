@@ -78,6 +78,12 @@ async def test_rebalance_moves_a_cluster_between_shards_sharing_a_provider(tmp_p
                 machines: list[provider_pb2.Machine] = []
 
                 async def both_bound() -> bool:
+                    # (nothing still on its way: a machine Creating for a cluster carries no
+                    # cluster at the provider yet, and would be configured after the move)
+                    c = await a.counts()  # type: ignore[union-attr]
+                    if c.in_flight or any(c.by_state.get(s, 0) for s in ("MACHINE_STATE_CREATING",
+                                                                        "MACHINE_STATE_CONFIGURING")):
+                        return False
                     machines[:] = await spy.list_machines()
                     for c in (move, stay):
                         ms = [m for m in machines if m.cluster == c]
