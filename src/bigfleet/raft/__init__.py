@@ -9,9 +9,11 @@ user keeps only its state machine and its replicated commands.
 from bigfleet.raft.bridge import RaftBridge
 from bigfleet.raft.consumer import LockedConsumer
 from bigfleet.raft.errors import RaftError, fail_reason
+from bigfleet.raft.group import GroupCommit
 from bigfleet.raft.settings import RaftSettings, RaftSettingsError, sync_obj_conf, timing_problems
 
 __all__ = [
+    "GroupCommit",
     "LockedConsumer",
     "RaftBridge",
     "RaftError",

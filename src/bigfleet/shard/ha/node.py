@@ -20,7 +20,7 @@ from pysyncobj import replicated
 
 from bigfleet.budget import Disruption
 from bigfleet.decision.types import EngineState
-from bigfleet.raft import LockedConsumer, RaftBridge, RaftError, RaftSettings
+from bigfleet.raft import GroupCommit, LockedConsumer, RaftBridge, RaftError, RaftSettings
 from bigfleet.shard.ha.state import HAState, Ledger, Retiring
 
 __all__ = ["DUMP_FILE", "JOURNAL_FILE", "LocalLog", "RaftError", "ShardLog", "ShardRaft", "ShardRaftConfig"]
@@ -142,6 +142,11 @@ class _Replicated(LockedConsumer[HAState]):
         with self.lock:
             return self.fsm.track_retiring(machine_id, entry, epoch)
 
+    @replicated  # type: ignore[untyped-decorator,misc,unused-ignore]
+    def upsert_rollups(self, entries: tuple[tuple[str, bytes, int], ...], epoch: int) -> tuple[bool, ...]:
+        with self.lock:
+            return self.fsm.replace_many(entries, epoch)
+
 
 @dataclass
 class ShardRaftConfig(RaftSettings):
@@ -164,12 +169,18 @@ class ShardRaft(RaftBridge[HAState]):
         self.cfg = cfg
         self._ha = _Replicated()
         super().__init__(cfg, self._ha)
+        # Roll-ups go out as group commits (raft/group.py): one command per batch, not per roll-up.
+        self.rollups: GroupCommit[tuple[str, bytes, int]] = GroupCommit(self._commit_rollups)
 
     def ledger(self) -> Ledger:
         return self._ha.fsm.ledger
 
     async def replace(self, cluster_id: str, data: bytes, now: int, epoch: int, timeout: float = 5.0) -> bool:
-        return bool(await self.call(self._ha.replace, cluster_id, data, now, epoch, timeout=timeout))
+        return await self.rollups.submit((cluster_id, bytes(data), now), epoch)
+
+    async def _commit_rollups(self, entries: tuple[tuple[str, bytes, int], ...], epoch: int) -> tuple[bool, ...]:
+        results = await self.call(self._ha.upsert_rollups, entries, epoch, timeout=5.0, what="roll-up commit")
+        return tuple(bool(r) for r in results)
 
     async def save_engine(self, state: EngineState, version: int, epoch: int, timeout: float = 5.0) -> bool:
         return bool(await self.call(self._ha.save_engine, state, version, epoch, timeout=timeout))

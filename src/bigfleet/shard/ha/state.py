@@ -113,6 +113,10 @@ class HAState:
         self.guard_held.pop(cluster_id, None)
         return True
 
+    def replace_many(self, entries: tuple[tuple[str, bytes, int], ...], epoch: int) -> tuple[bool, ...]:
+        """`replace` for each ``(cluster_id, data, now)`` of a group commit, one answer each."""
+        return tuple(self.replace(c, data, now, epoch) for c, data, now in entries)
+
     def hold_rollup(self, cluster_id: str, held: int, since_unix_nanos: int, epoch: int) -> bool:
         """The guard held a collapsing roll-up: ``held`` in a row so far, the first at ``since`` (a
         new leader continues the confirmation instead of starting it over)."""
