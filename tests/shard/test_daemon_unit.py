@@ -285,8 +285,9 @@ async def test_capacity_hints_are_sent_at_the_configured_rate() -> None:
         await until(lambda: len(queued_at_send) == 100 and not len(d.hints.queue), 10, "every hint sent")
         elapsed = time.monotonic() - started
         ticks = [(n, queued_at_send.count(n)) for n in sorted(set(queued_at_send), reverse=True)]
-        assert ticks == [(80, 20), (60, 20), (40, 20), (20, 20), (0, 20)]  # 400/s x 0.05 s per tick
-        assert elapsed >= 4 * d.hints.TICK  # (five ticks: four sleeps between them at least)
+        per_tick = int(400 * d.hints.TICK)  # 400/s x TICK s per tick
+        assert ticks == [(100 - per_tick * (k + 1), per_tick) for k in range(100 // per_tick)]
+        assert elapsed >= (100 // per_tick - 1) * d.hints.TICK  # (sleeps between the ticks at least)
         frames = [(sess.cluster_id, f) for sess in sessions for f in sess.outbox.pop_ready()]
         assert {f.available_capacity.available_count for _, f in frames} == {3}
         assert len({(c, f.available_capacity.supersedes_key) for c, f in frames}) == 100

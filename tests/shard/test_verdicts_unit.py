@@ -229,3 +229,48 @@ def test_machine_changes_alone_bring_a_cluster_into_the_next_pass() -> None:
     s.after_cycle(CycleRecord(7, 7, (), rec.decision, rec.verdict_rows))
     assert len(frames) == 2
     assert [(v.machines_bound, v.machines_coming) for v in frames[-1].need_verdicts.verdicts] == [(1, 0)]
+
+
+async def test_paced_frames_are_built_per_tick_from_the_newest_cycle() -> None:
+    """The paced sender builds each frame when its turn comes (at most ``rate x TICK`` per tick,
+    so a pass over many clusters never holds the loop at once) and from the newest record: a
+    cluster queued by one cycle and sent after the next carries the next cycle's verdict."""
+    import asyncio
+
+    clusters = [f"c{k}" for k in range(200)]
+    table = NeedsTable()
+    fps = {}
+    for c in clusters:
+        n = need_from_proto(need("1"), c, 1)
+        table.replace(c, [n], 1)
+        fps[c] = n.fingerprint
+    reg, sess = _registry(*clusters)
+    s = NeedVerdictSender(reg, MachineView(), lambda: table, set(), {}, ShardMetrics(new_registry()), 5,
+                          lambda *_: None, lambda: asyncio.get_running_loop().time(), paced=True,
+                          interval=0.0, rate=1000.0)
+    built: list[int] = []
+    real = s._cluster_frame
+
+    def counting(*a: Any, **kw: Any) -> Any:
+        built.append(a[0].cycle)
+        return real(*a, **kw)
+
+    s._cluster_frame = counting  # type: ignore[method-assign]
+    task = asyncio.create_task(s.run())
+    try:
+        s.after_cycle(record(1, [verdict(c, fps[c], True) for c in clusters], True, 1))
+        await asyncio.sleep(0)  # the pass: clusters queued, nothing built yet
+        assert len(built) <= int(s.rate * s.TICK)
+        s.after_cycle(record(2, [verdict(c, fps[c], False, deficit={"cpu": 1000}) for c in clusters], True, 2))
+        for _ in range(500):
+            if all(f.need_verdicts.cycle == 2 for c in clusters for f in sess[c].frames[-1:]) \
+                    and all(sess[c].frames for c in clusters):
+                break
+            await asyncio.sleep(s.TICK)
+        per_tick = int(s.rate * s.TICK)
+        assert built.count(1) <= per_tick  # only the first tick's frames came from cycle 1
+        assert all(sess[c].frames[-1].need_verdicts.cycle == 2 for c in clusters)
+        assert all(not sess[c].frames[-1].need_verdicts.verdicts[0].satisfied for c in clusters)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
