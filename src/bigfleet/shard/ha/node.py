@@ -6,8 +6,8 @@ commands in process, synchronously: the simulator's virtual clock cannot wait on
 Both answer the same :class:`ShardLog` protocol, so the shard is assembled one way.
 
 Arguments travel pickled inside pysyncobj's password-encrypted transport, so roll-ups ride as their
-wire bytes and are not re-encoded. Appends are batched and heartbeats short: roll-ups from many
-clusters arrive together.
+wire bytes and are not re-encoded. Roll-ups from many clusters arrive together, so they are group
+committed (one command per batch) and each command is sent to the followers at once.
 """
 
 from __future__ import annotations
@@ -151,12 +151,15 @@ class _Replicated(LockedConsumer[HAState]):
 @dataclass
 class ShardRaftConfig(RaftSettings):
     heartbeat_period: float = 0.02
-    # A roll-up is acknowledged after its command commits, and a command submitted from the event
-    # loop waits for pysyncobj's next tick: 2 ms ticks took a lone changed roll-up's ack from ~24 ms
-    # to ~7 ms p50 on a group of one (idle cost: 2.2 % -> 2.9 % of a core; docs/perf/shard-ha.md).
+    # A roll-up is acknowledged after its command commits. In a group of one the commit is applied
+    # on pysyncobj's next tick: 2 ms ticks took a commit from ~13 ms to ~2.6 ms p50 at 500 changed
+    # roll-ups/s (idle cost: 2.2 % -> 2.9 % of a core; docs/perf/shard-ha.md).
     tick_period: float = 0.002
     compaction_min_entries: int = 5_000
-    batch: bool = True
+    # Unbatched: a new command wakes pysyncobj at once and goes to the followers at once. Batched
+    # appends waited for the next heartbeat (20 ms), which was most of a 3-replica commit (p50
+    # 22-30 ms -> 3 ms). Batching is done above pysyncobj instead, by group commit (raft/group.py).
+    batch: bool = False
 
 
 class ShardRaft(RaftBridge[HAState]):
