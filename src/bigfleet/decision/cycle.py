@@ -12,10 +12,12 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Literal
 
 from bigfleet.machine.inventory import Inventory
 from bigfleet.machine.record import Machine, MachineShape
+from bigfleet.machine.state import MachineState
 from bigfleet.needs import Need, NeedsTable
 
 from .acquire import acquisition_actions
@@ -30,6 +32,7 @@ from .scratch import CycleScratch, NeedRow
 from .types import Action, Decision, Drain, EngineConfig, EngineState, PhaseStats, Verdict
 from .verdicts import need_verdicts
 
+_MACHINE_ID = attrgetter("id")
 #: what `decide` accepts as the fleet: an `Inventory`, or any iterable of machine records
 Fleet = Inventory | Iterable[Machine]
 #: a cached cluster is valid for ((dimensions, classes version), its bound-set version, the free-pool
@@ -202,9 +205,15 @@ class Engine:
         return True
 
     def _rebuild(self, inventory: Fleet, ms: Sequence[Machine], gen: int | None) -> Index:
-        ix = build_index(ms)
+        if isinstance(inventory, Inventory):
+            by_shape = [(st, shape, group) for st in MachineState for shape, group in inventory.by_state(st).by_shape()]
+            ix = build_index(ms, by_shape)
+            by_mid = inventory.id_table()
+        else:
+            ix = build_index(ms)
+            by_mid = dict(zip(map(_MACHINE_ID, ms), ms, strict=True))
         # Holding every baseline record also keeps its id() from being reused by a new record.
-        self._by_mid = {m.id: m for m in ms}
+        self._by_mid = by_mid
         self._since_full = 0
         self._ix = ix
         self._src, self._gen = inventory, gen

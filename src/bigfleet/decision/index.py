@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import groupby
 from operator import attrgetter
 from typing import Any
 
@@ -121,117 +122,162 @@ class Index:
         return self.classes[self.class_of_shape[m.shape]]
 
 
-def build_index(machines: Iterable[Machine]) -> Index:
-    """One pass over the machines; classes get a canonical order (results never depend on class
-    numbering anyway, but it keeps runs comparable)."""
+def build_index(machines: Iterable[Machine],
+                by_shape: Iterable[tuple[MachineState, MachineShape, Collection[Machine]]] | None = None) -> Index:
+    """Classes get a canonical order (results never depend on class numbering anyway, but it keeps
+    runs comparable). `by_shape`, when given, is the same machines already grouped by (state, shape)
+    (what an `Inventory` keeps): each group is filed whole, without a Python step per machine."""
     ix = Index()
-    shapes: dict[MachineShape, list[Machine]] = {}
+    per_shape: dict[MachineShape, dict[MachineState, list[Machine]]] = {}
     n = 0
-    for m in machines:
-        n += 1
-        lst = shapes.get(m.shape)
+    for st, shape, group in (_group_by_shape(machines) if by_shape is None else by_shape):
+        n += len(group)
+        by_st = per_shape.get(shape)
+        if by_st is None:
+            by_st = per_shape[shape] = {}
+        lst = by_st.get(st)
         if lst is None:
-            shapes[m.shape] = [m]
+            by_st[st] = list(group)
         else:
-            lst.append(m)
+            lst.extend(group)
     ix.total = n
-    classes = sorted((MClass(0, sh) for sh in shapes), key=lambda c: c.sort_key)
+    classes = sorted((MClass(0, sh) for sh in per_shape), key=lambda c: c.sort_key)
     for i, c in enumerate(classes):
         c.idx = i
         ix.class_of_shape[c.shape] = i
     ix.classes = classes
     for c in classes:
-        _index_class(ix, c, shapes[c.shape])
-    pool = ix.pool
-    bound = ix.bound
-    for lst in pool.values():
-        _sort(lst, pool_key)
-    for cb in bound.values():
-        for sb in cb.values():
-            for lst in sb.values():
-                _sort(lst, keep_key)
+        _index_class(ix, c, per_shape[c.shape])
     for group_map in (ix.creating, ix.reserved_idle, ix.idle_by_type):
         for lst in group_map.values():
-            lst.sort(key=_ID)
-    for by_class in (ix.configured_by_class, ix.draining_by_class):
-        for lst in by_class.values():
             lst.sort(key=_ID)
     return ix
 
 
-def _index_class(ix: Index, c: MClass, machines: list[Machine]) -> None:
-    """File one class's machines by state (lists are sorted by the caller, once, at the end)."""
-    pool = ix.pool
-    bound = ix.bound
-    idle_s, spec_s, conf_s, cing_s, crea_s = S.IDLE, S.SPECULATIVE, S.CONFIGURED, S.CONFIGURING, S.CREATING
-    drain_s = S.DRAINING
-    ci = c.idx
-    by_state: dict[MachineState, list[Machine]] = {}
+def _group_by_shape(machines: Iterable[Machine]) -> list[tuple[MachineState, MachineShape, list[Machine]]]:
+    out: dict[tuple[MachineState, MachineShape], list[Machine]] = {}
     for m in machines:
-        lst = by_state.get(m.state)
+        k = (m.state, m.shape)
+        lst = out.get(k)
         if lst is None:
-            by_state[m.state] = [m]
+            out[k] = [m]
         else:
             lst.append(m)
+    return [(st, shape, lst) for (st, shape), lst in out.items()]
+
+
+def _index_class(ix: Index, c: MClass, by_state: dict[MachineState, list[Machine]]) -> None:
+    """File one class's machines, state by state, each list sorted once here."""
+    ci = c.idx
     free = 0
-    for st, group in by_state.items():
-        if st is idle_s or st is spec_s:
-            n_cl = sum(1 for m in group if m.cluster)
-            if n_cl:
-                ix.pool_clustered[(int(st), ci)] = n_cl
-        if st is idle_s:
-            pool[(IDLE, ci)] = group
-            ix.idle_by_type.setdefault(int(c.capacity_type), []).extend(group)
-            for m in group:
-                fp = m.assignment.need_fingerprint
-                if fp:
-                    ix.reserved_idle.setdefault(fp, []).append(m)
-            free += len(group)
-        elif st is spec_s:
-            pool[(SPEC, ci)] = group
-            free += len(group)
-        elif st is conf_s or st is cing_s:
+    for st in _STATE_ORDER:
+        group = by_state.get(st)
+        if not group:
+            continue
+        if st is S.IDLE or st is S.SPECULATIVE:
+            _sort_pool(group)
             sti = int(st)
-            # one dict operation per machine (grouping by cluster), then one nested insert per cluster
-            by_cluster: dict[str, list[Machine]] = {}
-            for m in group:
-                lst = by_cluster.get(m.cluster)
-                if lst is None:
-                    by_cluster[m.cluster] = [m]
-                else:
-                    lst.append(m)
-            cc = ix.configured_count
-            for cluster, lst in by_cluster.items():
-                if not cluster:
-                    continue
-                bound.setdefault(cluster, {}).setdefault(sti, {})[ci] = lst
-                if st is conf_s:
-                    cc[cluster] = cc.get(cluster, 0) + len(lst)
-            if st is conf_s:
-                ix.configured_by_class[ci] = group
-        elif st is drain_s:
+            ix.pool[(sti, ci)] = group
+            n_cl = len(group) - list(map(_CLUSTER, group)).count("")
+            if n_cl:
+                ix.pool_clustered[(sti, ci)] = n_cl
+            free += len(group)
+            if st is S.IDLE:
+                ix.idle_by_type.setdefault(int(c.capacity_type), []).extend(group)
+                _file_by_fingerprint(ix.reserved_idle, group)
+        elif st is S.CONFIGURED or st is S.CONFIGURING:
+            group.sort(key=_ID)
+            if st is S.CONFIGURED:
+                ix.configured_by_class[ci] = list(group)
+            _index_bound(ix, ci, int(st), group)
+        elif st is S.DRAINING:
+            group.sort(key=_ID)
             ix.draining_by_class[ci] = group
-        elif st is crea_s:
-            for m in group:
-                fp = m.assignment.need_fingerprint
-                if fp:
-                    ix.creating.setdefault(fp, []).append(m)
+        elif st is S.CREATING:
+            _file_by_fingerprint(ix.creating, group)
     if free:
         ix.free_count[ci] = free
 
 
+def _index_bound(ix: Index, ci: int, sti: int, id_sorted: list[Machine]) -> None:
+    """Split one class's CONFIGURED/CONFIGURING machines (given in id order) by cluster, each part in
+    keep order: sorted once for the whole class, then a stable C-level sort by cluster."""
+    keep = id_sorted
+    _sort_keep_from_id(keep)
+    keep.sort(key=_CLUSTER)
+    bound = ix.bound
+    cc = ix.configured_count
+    conf = sti == CONFIGURED
+    for cluster, part in groupby(keep, _CLUSTER):
+        if not cluster:
+            continue
+        lst = list(part)
+        by_state = bound.get(cluster)
+        if by_state is None:
+            by_state = bound[cluster] = {}
+        by_class = by_state.get(sti)
+        if by_class is None:
+            by_class = by_state[sti] = {}
+        by_class[ci] = lst
+        if conf:
+            cc[cluster] = cc.get(cluster, 0) + len(lst)
+
+
+def _file_by_fingerprint(by_fp: dict[str, list[Machine]], group: list[Machine]) -> None:
+    """Machines carrying a need fingerprint, filed under it (most carry none: checked in C first)."""
+    fps = list(map(_FP, group))
+    if fps.count("") == len(fps):
+        return
+    for m, fp in zip(group, fps, strict=True):
+        if fp:
+            lst = by_fp.get(fp)
+            if lst is None:
+                by_fp[fp] = [m]
+            else:
+                lst.append(m)
+
+
 _ID = attrgetter("id")
 _RECL = attrgetter("assignment.reclamation_penalty_dollars")
+_CLUSTER = attrgetter("cluster")
+_FP = attrgetter("assignment.need_fingerprint")
+_STATE_ORDER = tuple(MachineState)
 
 
-def _sort(lst: list[Machine], key: Callable[[Machine], Any]) -> None:
-    """Sort by `key`; when every reclamation penalty is equal that is plain id order (C-level key)."""
-    if len(lst) > 1:
-        first = _RECL(lst[0])
-        if all(r == first for r in map(_RECL, lst)) and first == first:
-            lst.sort(key=_ID)
-        else:
-            lst.sort(key=key)
+def _plain_penalties(lst: list[Machine]) -> bool | None:
+    """True: one penalty throughout (not NaN); False: several, all ≥ 0 and none NaN (so a C-level
+    sort on the raw stamp orders as `m_reclamation` does); None: some NaN or negative."""
+    recl = list(map(_RECL, lst))
+    first = recl[0]
+    if first == first and recl.count(first) == len(recl):
+        return True
+    if any(map(math.isnan, recl)) or min(recl) < 0:
+        return None
+    return False
+
+
+def _sort_pool(lst: list[Machine]) -> None:
+    """`pool_key` order (reclamation asc, id) with C-level keys: id, then a stable penalty sort."""
+    if len(lst) < 2:
+        return
+    plain = _plain_penalties(lst)
+    if plain is None:
+        lst.sort(key=pool_key)
+        return
+    lst.sort(key=_ID)
+    if plain is False:
+        lst.sort(key=_RECL)
+
+
+def _sort_keep_from_id(lst: list[Machine]) -> None:
+    """`keep_key` order (reclamation desc, id) of a list already in id order (stable C-level sort)."""
+    if len(lst) < 2:
+        return
+    plain = _plain_penalties(lst)
+    if plain is None:
+        lst.sort(key=keep_key)
+    elif plain is False:
+        lst.sort(key=_RECL, reverse=True)
 
 
 def _insort(lst: list[Machine], m: Machine, key: Callable[[Machine], Any]) -> None:

@@ -11,7 +11,7 @@ from itertools import chain
 from typing import Any
 
 from bigfleet.machine.labels import Labels
-from bigfleet.machine.record import Machine
+from bigfleet.machine.record import Machine, MachineShape
 from bigfleet.machine.state import ALL_STATES, MachineState, check_transition
 from bigfleet.machine.validate import check_invariant
 
@@ -25,11 +25,11 @@ class DuplicateMachine(ValueError):
 
 
 class StateView(Collection[Machine]):
-    """Live, read-only view of the machines in one state (grouped by label set internally)."""
+    """Live, read-only view of the machines in one state (grouped by shape internally)."""
 
     __slots__ = ("_groups",)
 
-    def __init__(self, groups: dict[Labels, dict[str, Machine]]) -> None:
+    def __init__(self, groups: dict[MachineShape, dict[str, Machine]]) -> None:
         self._groups = groups
 
     def __len__(self) -> int:
@@ -41,19 +41,27 @@ class StateView(Collection[Machine]):
     def __contains__(self, m: object) -> bool:
         if not isinstance(m, Machine):
             return False
-        g = self._groups.get(m.shape.match_labels)
+        g = self._groups.get(m.shape)
         return g is not None and g.get(m.id) is m
 
-    def by_labels(self) -> list[tuple[Labels, ValuesView[Machine]]]:
+    def by_labels(self) -> list[tuple[Labels, Collection[Machine]]]:
         """``(match labels, machines)`` per distinct label set: match requirements once per set."""
-        return [(lab, g.values()) for lab, g in self._groups.items()]
+        merged: dict[Labels, list[ValuesView[Machine]]] = {}
+        for shape, g in self._groups.items():
+            merged.setdefault(shape.match_labels, []).append(g.values())
+        return [(lab, vs[0] if len(vs) == 1 else list(chain.from_iterable(vs))) for lab, vs in merged.items()]
+
+    def by_shape(self) -> list[tuple[MachineShape, ValuesView[Machine]]]:
+        """``(shape, machines)`` per distinct shape: every machine of a group is interchangeable, so a
+        consumer (the decision engine's index) can file a whole group at once."""
+        return [(shape, g.values()) for shape, g in self._groups.items()]
 
 
 class Inventory:
-    """Machines by id plus indexes by state (and, within a state, by shared label set) and by cluster.
+    """Machines by id plus indexes by state (and, within a state, by shared shape) and by cluster.
 
-    One index entry per machine for state+labels (the label set is shared by every machine of a
-    type, so grouping by it costs nothing extra), one more for bound machines' cluster. Views returned
+    One index entry per machine for state+shape (the shape is shared by every machine of a type, so
+    grouping by it costs nothing extra), one more for bound machines' cluster. Views returned
     by `by_state` are live; copy them before mutating the inventory while iterating.
     """
 
@@ -61,7 +69,7 @@ class Inventory:
 
     def __init__(self, machines: Iterable[Machine] = ()) -> None:
         self._machines: dict[str, Machine] = {}
-        self._by_state: dict[MachineState, dict[Labels, dict[str, Machine]]] = {s: {} for s in MachineState}
+        self._by_state: dict[MachineState, dict[MachineShape, dict[str, Machine]]] = {s: {} for s in MachineState}
         self._by_cluster: dict[str, dict[str, Machine]] = {}
         self._generation = 0
         for m in machines:
@@ -154,10 +162,10 @@ class Inventory:
         mid = m.id
         self._machines[mid] = m
         groups = self._by_state[m.state]
-        ml = m.shape.match_labels
-        bucket = groups.get(ml)
+        shape = m.shape
+        bucket = groups.get(shape)
         if bucket is None:
-            bucket = groups[ml] = {}
+            bucket = groups[shape] = {}
         bucket[mid] = m
         if m.cluster:
             c = self._by_cluster.get(m.cluster)
@@ -169,11 +177,11 @@ class Inventory:
         mid = m.id
         del self._machines[mid]
         groups = self._by_state[m.state]
-        ml = m.shape.match_labels
-        bucket = groups[ml]
+        shape = m.shape
+        bucket = groups[shape]
         del bucket[mid]
         if not bucket:
-            del groups[ml]
+            del groups[shape]
         if m.cluster:
             c = self._by_cluster[m.cluster]
             del c[mid]
@@ -212,6 +220,11 @@ class Inventory:
         a point are exactly the tail not seen before."""
         return self._machines.values()
 
+    def id_table(self) -> dict[str, Machine]:
+        """A copy of the id → record table: one C-level table copy, far cheaper than building the
+        same dict from the records (which touches every record: ~20x slower at 500 000)."""
+        return self._machines.copy()
+
     def ids(self) -> list[str]:
         """Every id, sorted."""
         return sorted(self._machines)
@@ -233,8 +246,8 @@ class Inventory:
         """Machines whose match labels (labels + instance type + zone) have `key` (= `value` if given)."""
         out: list[Machine] = []
         for groups in self._by_state.values():
-            for labels, bucket in groups.items():
-                v = labels.get(key)
+            for shape, bucket in groups.items():
+                v = shape.match_labels.get(key)
                 if v is not None and (value is None or v == value):
                     out.extend(bucket.values())
         return out
@@ -243,7 +256,8 @@ class Inventory:
         """Each distinct match-label set with how many machines carry it."""
         counts: dict[Labels, int] = {}
         for groups in self._by_state.values():
-            for lab, b in groups.items():
+            for shape, b in groups.items():
+                lab = shape.match_labels
                 counts[lab] = counts.get(lab, 0) + len(b)
         return list(counts.items())
 

@@ -1,0 +1,70 @@
+"""`build_index` from an `Inventory`'s (state, shape) groups equals the machine-by-machine build, and
+its C-level sorts order exactly as the `pool_key`/`keep_key` tie-breaks do."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bigfleet.decision import EngineConfig, EngineState, decide
+from bigfleet.decision.index import Index, build_index, keep_key, pool_key
+from bigfleet.machine import Inventory, Machine, MachineState
+
+from .fx import NOW, machine
+from .test_engine_properties import CLUSTERS, SETTINGS, machines, needs
+
+S = MachineState
+
+
+def _ids(lst: list[Machine]) -> list[str]:
+    return [m.id for m in lst]
+
+
+def _view(ix: Index) -> dict[str, object]:
+    """Everything the index holds, by machine id (class numbering is canonical in both builds)."""
+    return {
+        "classes": [c.shape for c in ix.classes],
+        "pool": {k: _ids(v) for k, v in ix.pool.items()},
+        "bound": {c: {st: {ci: _ids(v) for ci, v in by.items()} for st, by in sb.items()} for c, sb in ix.bound.items()},
+        "creating": {k: _ids(v) for k, v in ix.creating.items()},
+        "reserved_idle": {k: _ids(v) for k, v in ix.reserved_idle.items()},
+        "configured_by_class": {k: _ids(v) for k, v in ix.configured_by_class.items()},
+        "draining_by_class": {k: _ids(v) for k, v in ix.draining_by_class.items()},
+        "idle_by_type": {k: _ids(v) for k, v in ix.idle_by_type.items()},
+        "configured_count": ix.configured_count,
+        "free_count": ix.free_count,
+        "pool_clustered": ix.pool_clustered,
+        "total": ix.total,
+    }
+
+
+def _inventory_groups(inv: Inventory) -> list[tuple[MachineState, object, object]]:
+    return [(st, shape, group) for st in MachineState for shape, group in inv.by_state(st).by_shape()]
+
+
+@SETTINGS
+@given(machines(), needs(), st.frozensets(st.sampled_from(CLUSTERS)), st.randoms())
+def test_grouped_build_equals_machine_by_machine(ms: list[Machine], ns: list, ready: frozenset[str],
+                                                 rnd: random.Random) -> None:
+    shuffled = list(ms)
+    rnd.shuffle(shuffled)
+    inv = Inventory(shuffled)
+    assert _view(build_index(inv.machines(), _inventory_groups(inv))) == _view(build_index(ms))  # type: ignore[arg-type]
+    state = EngineState(first_rollup=ready)
+    assert decide(ns, inv, NOW, state, EngineConfig()) == decide(ns, list(ms), NOW, state, EngineConfig())
+
+
+def test_odd_penalties_sort_as_the_key_functions() -> None:
+    """NaN and negative stamps count as 0 (`m_reclamation`); the C-level sorts must agree."""
+    pens = [float("nan"), -3.0, 0.0, 5.0, 2.0, 5.0, -0.0, 1.0]
+    ms = [machine(f"i{i}", S.IDLE, rpd=p) for i, p in enumerate(pens)]
+    ms += [machine(f"c{i}", S.CONFIGURED, cluster="c0", rpd=p) for i, p in enumerate(pens)]
+    plain = [machine(f"p{i}", S.CONFIGURED, cluster="c1", rpd=p) for i, p in enumerate([3.0, 0.0, 3.0, 7.0])]
+    ix = build_index(reversed(ms + plain))
+    (pool,) = ix.pool.values()
+    assert _ids(pool) == _ids(sorted(pool, key=pool_key))
+    for cluster in ("c0", "c1"):
+        (lst,) = ix.bound[cluster][int(S.CONFIGURED)].values()
+        assert _ids(lst) == _ids(sorted(lst, key=keep_key))
