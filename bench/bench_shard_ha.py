@@ -137,17 +137,21 @@ class Fleet:
                                               *provider_args], "bench-provider").start()
         wait_for_health(self.provider, timeout=60)
         self.listens = [f"127.0.0.1:{free_port()}" for _ in range(replicas)]
+        self.metrics = [f"127.0.0.1:{free_port()}" for _ in range(replicas)]
         rafts = [f"127.0.0.1:{free_port()}" for _ in range(replicas)]
         self.dirs = [tempfile.mkdtemp(prefix="bench-ha-") for _ in range(replicas)]
         self.procs: list[ManagedProcess] = []
         for i in range(replicas):
             args = ["shard", "--shard-id", "s1", "--listen", self.listens[i], "--provider", self.provider,
                     "--data-dir", self.dirs[i], "--log-format", "console", "--log-level", "warning",
-                    "--cycle-interval", "1", "--no-empty-rollup-guard"]
+                    "--cycle-interval", "1", "--no-empty-rollup-guard", "--metrics-listen", self.metrics[i]]
             if replicas > 1:
                 args += ["--replica-id", f"r{i}", "--raft-bind", rafts[i], "--raft-password", PASSWORD,
                          "--raft-peers", ",".join(r for r in rafts if r != rafts[i])]
             self.procs.append(ManagedProcess.bigfleet(args, f"bench-shard-{i}").start())
+
+    def scrape(self, i: int) -> stats.Samples:
+        return _samples(f"http://{self.metrics[i]}/metrics")
 
     async def leader(self, timeout: float = 60, exclude: int = -1) -> int:
         deadline = time.monotonic() + timeout
@@ -215,6 +219,40 @@ async def rollup_latency(target: str, rate: float, seconds: float) -> dict[str, 
     await asyncio.gather(*(op(k) for k in range(sessions)))
     wall = time.monotonic() - t0
     return {"n": len(lat), "rate": len(lat) / wall, "p50": _q(lat, 0.5), "p99": _q(lat, 0.99), "max": max(lat)}
+
+
+async def ack_rows(rate: float, seconds: float) -> list[tuple[str, dict[str, float]]]:
+    """Client-side latency (includes the load generator's own scheduling on a shared box) and the
+    leader's own read-to-ack histogram (``bigfleet_shard_rollup_ack_seconds``) over the same run."""
+    rows = []
+    for n in (1, 3):
+        f = Fleet(n)
+        try:
+            lead = await f.leader()
+            await asyncio.sleep(1.0)
+            before, cpu0 = f.scrape(lead), tree_cpu_seconds(f.procs[lead].pid)
+            t0 = time.monotonic()
+            x = await rollup_latency(f.listens[lead], rate, seconds)
+            x["leader_cores"] = (tree_cpu_seconds(f.procs[lead].pid) - cpu0) / (time.monotonic() - t0)
+            after = f.scrape(lead)
+            name = "bigfleet_shard_rollup_ack_seconds"
+            total = stats.delta(after, before, f"{name}_count")
+            x["within_50ms"] = stats.delta(after, before, f"{name}_bucket", le="0.05") / max(1.0, total)
+            x["server_p99"] = stats.histogram_quantile(after, before, name, 0.99)
+            rows.append((f"{n} replica{'s' if n > 1 else ''}", x))
+        finally:
+            f.stop()
+    return rows
+
+
+def print_ack_rows(rate: float, seconds: float) -> None:
+    print(f"\n| roll-up ack latency, target {rate:.0f}/s, {int(rate)} sessions at 1/s, {seconds:.0f} s "
+          "| achieved/s | client p50 | client p99 | max | shard: acks ≤ 50 ms | shard p99 (bucket) "
+          "| leader CPU (cores) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, x in asyncio.run(ack_rows(rate, seconds)):
+        print(f"| {name} | {x['rate']:.0f} | {x['p50'] * 1e3:.2f} ms | {x['p99'] * 1e3:.2f} ms | {x['max'] * 1e3:.1f} ms "
+              f"| {x['within_50ms'] * 100:.1f} % | ≤ {x['server_p99'] * 1e3:.0f} ms | {x['leader_cores']:.2f} |")
 
 
 async def failovers(runs: int) -> list[float]:
@@ -783,6 +821,7 @@ def main(argv: list[str]) -> int:
                     help="kill -9 runs (default 20; with --failover-machines: per size, default 3)")
     ap.add_argument("--rate", type=float, default=500)
     ap.add_argument("--seconds", type=float, default=10)
+    ap.add_argument("--acks-only", action="store_true", help="run only the roll-up ack latency rows")
     ap.add_argument("--failover-machines", default="",
                     help="comma-separated machine counts: run only the failover-at-scale benchmark (part 4)")
     ap.add_argument("--failover-clusters", type=int, default=0,
@@ -821,6 +860,9 @@ def main(argv: list[str]) -> int:
         a.failovers = 20
     if a.quick:
         a.failovers, a.seconds = 3, 3
+    if a.acks_only:
+        print_ack_rows(a.rate, a.seconds)
+        return 0
     r = bench_replace(5000 if a.quick else 20000, 256)
     print(f"| replicated Replace (3 processes, 10-need roll-up, {r['bytes']:.0f} B) | value |")
     print("|---|---|")
@@ -828,22 +870,7 @@ def main(argv: list[str]) -> int:
     print(f"| one at a time: commits/s | {r['seq_rate']:.0f} |")
     print(f"| pipelined ({r['conc']:.0f} in flight): commits/s | {r['pipelined_rate']:.0f} |")
 
-    async def acks() -> list[tuple[str, dict[str, float]]]:
-        rows = []
-        for n in (1, 3):
-            f = Fleet(n)
-            try:
-                lead = await f.leader()
-                rows.append((f"{n} replica{'s' if n > 1 else ''}", await rollup_latency(f.listens[lead], a.rate, a.seconds)))
-            finally:
-                f.stop()
-        return rows
-
-    print(f"\n| roll-up ack latency, target {a.rate:.0f}/s, {int(a.rate)} sessions at 1/s, {a.seconds:.0f} s "
-          "| achieved/s | p50 | p99 | max |")
-    print("|---|---|---|---|---|")
-    for name, x in asyncio.run(acks()):
-        print(f"| {name} | {x['rate']:.0f} | {x['p50'] * 1e3:.2f} ms | {x['p99'] * 1e3:.2f} ms | {x['max'] * 1e3:.1f} ms |")
+    print_ack_rows(a.rate, a.seconds)
     ts = asyncio.run(failovers(a.failovers))
     print(f"\n| failover: kill -9 leader → new leader SERVING (n={len(ts)}) | value |")
     print("|---|---|")
