@@ -345,6 +345,7 @@ class _StrictContext:
         self._inner = inner
         self._guard = guard
         self.ending: _EndStream | None = None
+        self.write = inner.write  # (every outbound frame: bound once, not looked up through __getattr__)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
