@@ -9,6 +9,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Iterable
 from itertools import repeat
+from operator import itemgetter
 from typing import Any
 
 from bigfleet.machine.record import Machine
@@ -25,20 +26,17 @@ from .vec import Vec, covers, units_to_cover, vsub
 
 
 def bound_lists(cy: CycleScratch, n: NeedRow, state: int) -> list[tuple[MClass, list[Machine]]]:
+    """The cluster's bound lists in `state` of the need's eligible classes, by (price, class idx):
+    one C-level set intersection and a sort by a per-cycle class rank (memoised per requirements)."""
     by_class = cy.ix.bound.get(n.cluster, {}).get(state)
     if not by_class:
         return []
     k = (n.cluster, state, n.reqs, n.minu)
     got = cy.bound_lists_memo.get(k)
     if got is None:
-        elig = cy.eligible(n)
-        if len(by_class) < len(elig):
-            eset = cy.eligible_set(n)
-            classes = cy.ix.classes
-            got = [(classes[ci], lst) for ci, lst in by_class.items() if ci in eset]
-        else:
-            got = [(c, by_class[c.idx]) for c in elig if c.idx in by_class]
-        got.sort(key=lambda t: (t[0].price, t[0].idx))
+        classes = cy.ix.classes
+        common = sorted(cy.eligible_set(n).intersection(by_class), key=cy.price_rank().__getitem__)
+        got = [(classes[ci], by_class[ci]) for ci in common]
         cy.bound_lists_memo[k] = got
     return got
 
@@ -121,7 +119,7 @@ def _keep_runs(cy: CycleScratch, lists: list[tuple[MClass, list[Machine]]]) -> l
             end = bisect_right(lst, -r, pos, size, key=_negated_reclamation)
             segs.append((c.price, -r, c.sort_key, a, lst, pos, end))
             pos = end
-    segs.sort(key=lambda t: (t[0], t[1], t[2]))
+    segs.sort(key=_SEG_ORDER)
     runs: list[tuple[Vec, list[Machine]]] = []
     for _, _, _, a, lst, lo, hi in segs:
         if runs and runs[-1][0] == a:
@@ -129,6 +127,9 @@ def _keep_runs(cy: CycleScratch, lists: list[tuple[MClass, list[Machine]]]) -> l
         else:
             runs.append((a, lst[lo:hi]))
     return runs
+
+
+_SEG_ORDER = itemgetter(0, 1, 2)
 
 
 def _negated_reclamation(m: Machine) -> float:
@@ -214,10 +215,12 @@ def credit_plain(cy: CycleScratch, n: NeedRow) -> None:
         if not any(n.remaining):
             return
         lists = bound_lists(cy, n, state)
+        if not lists:  # nothing bound here (every need of a bootstrapping cluster): no stream to set up
+            continue
         if len(lists) == 1:
             if _bulk_hold(cy, n, state, lists[0][0], lists[0][1]):
                 continue
-        elif lists and _band_hold(cy, n, state, lists):
+        elif _band_hold(cy, n, state, lists):
             continue
         for c, m in keep_stream(cy, n, state, lists):
             if not any(n.remaining):

@@ -323,9 +323,9 @@ class Engine:
             got = cdims.get(c)
             if got is None or got[0] is not cn:
                 names: set[str] = set()
-                for nd in cn:
-                    names.update(nd.aggregate_resources.names())
-                    names.update(nd.min_unit.names())
+                for nd in cn:  # (a Resources' map holds exactly its non-zero names)
+                    names.update(nd.aggregate_resources._map)
+                    names.update(nd.min_unit._map)
                 got = cdims[c] = (cn, frozenset(names))
             dim_set |= got[1]
         for c in [c for c in cdims if c not in by_cluster]:

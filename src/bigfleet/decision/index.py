@@ -15,7 +15,7 @@ import bisect
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from itertools import groupby
+from itertools import compress, groupby
 from operator import attrgetter
 from typing import Any
 
@@ -241,6 +241,7 @@ _ID = attrgetter("id")
 _RECL = attrgetter("assignment.reclamation_penalty_dollars")
 _CLUSTER = attrgetter("cluster")
 _FP = attrgetter("assignment.need_fingerprint")
+_PRIORITY = attrgetter("assignment.priority")
 _STATE_ORDER = tuple(MachineState)
 
 
@@ -417,7 +418,7 @@ class VictimOrders:
         self.ver = ver
         self.machines = machines
         #: distinct stamped priorities, ascending
-        self.prios = sorted({m.assignment.priority for m in machines})
+        self.prios = sorted(set(map(_PRIORITY, machines)))
         self.by_cuts: dict[tuple[int, ...], list[Machine]] = {}
         self.by_bounds: dict[tuple[int, ...], list[Machine]] = {}
 
@@ -446,7 +447,12 @@ def victim_order(ix: Index, ci: int, bounds: tuple[int, ...],
     got = vo.by_cuts.get(cuts)
     if got is None:
         top = bounds[-1]
-        got = order([m for m in vo.machines if m.assignment.priority < top]) if cuts[-1] else []
+        if not cuts[-1]:
+            got = []
+        elif cuts[-1] == len(prios):  # every stamp is below the top bound: no filtering
+            got = order(vo.machines)
+        else:  # (C-level filter: `top.__gt__(priority)` is `priority < top` for int stamps)
+            got = order(list(compress(vo.machines, map(top.__gt__, map(_PRIORITY, vo.machines)))))
         if len(vo.by_cuts) >= VictimOrders.MAX_ORDERS:
             vo.by_cuts.clear()
         vo.by_cuts[cuts] = got

@@ -7,6 +7,7 @@ import heapq
 import math
 from bisect import bisect_right
 from collections.abc import Callable, Iterable
+from operator import attrgetter
 
 from bigfleet.machine.record import Machine
 
@@ -112,36 +113,33 @@ def preempt_all(cy: CycleScratch, rows: list[NeedRow], config: EngineConfig, sta
 
 
 def _victim_sorter(bounds: tuple[int, ...]) -> Callable[[list[Machine]], list[Machine]]:
-    """Sort id-ordered candidates by the key `_tier_key_for` gives, without a key call per machine.
+    """Sort id-ordered candidates by the key `_tier_key_for` gives, without a Python step per machine.
 
-    Within a class the price is one, so a score depends only on (interruption, reclamation, tier):
-    scores are computed once per distinct triple, machines bucketed by (score, stamped priority) in
-    one pass (id order kept within a bucket), and the buckets concatenated in key order. Same order
-    as sorting by (score, priority, id); a cold Phase 2 sorted every Configured machine by a Python
-    key before.
+    Within a class the price is one, so a score depends only on the machine's stamped `Assignment`
+    (penalties, priority), which machines share: each distinct assignment is scored once, gets the
+    rank of its (score, stamped priority) bucket, and one stable C-level sort by that rank orders
+    the machines (id order kept within a bucket). Same order as sorting by (score, priority, id).
     """
     def order(machines: list[Machine]) -> list[Machine]:
-        scores: dict[tuple[float, float, int, float], float] = {}
-        buckets: dict[tuple[float, int], list[Machine]] = {}
-        for m in machines:
-            a = m.assignment
-            q = a.priority
+        if not machines:
+            return []
+        price = machines[0].shape.price_per_hour
+        assignments = list(map(_ASSIGNMENT, machines))
+        keys: dict[int, tuple[float, int]] = {}
+        for a in dict(zip(map(id, assignments), assignments, strict=True)).values():
             ipd, rpd = a.interruption_penalty_dollars, a.reclamation_penalty_dollars
-            k = (0.0 if ipd != ipd or ipd < 0 else ipd, 0.0 if rpd != rpd or rpd < 0 else rpd,
-                 _TIER_GRACE[bisect_right(bounds, q)], m.shape.price_per_hour)
-            s = scores.get(k)
-            if s is None:
-                s = scores[k] = victim_score(*k)
-            bucket = buckets.get((s, q))
-            if bucket is None:
-                buckets[(s, q)] = [m]
-            else:
-                bucket.append(m)
-        out: list[Machine] = []
-        for bk in sorted(buckets):
-            out.extend(buckets[bk])
-        return out
+            score = victim_score(0.0 if ipd != ipd or ipd < 0 else ipd, 0.0 if rpd != rpd or rpd < 0 else rpd,
+                                 _TIER_GRACE[bisect_right(bounds, a.priority)], price)
+            keys[id(a)] = (score, a.priority)
+        rank_of = {k: r for r, k in enumerate(sorted(set(keys.values())))}
+        rank = {aid: rank_of[k] for aid, k in keys.items()}
+        ranks = list(map(rank.__getitem__, map(id, assignments)))
+        positions = sorted(range(len(machines)), key=ranks.__getitem__)
+        return list(map(machines.__getitem__, positions))
     return order
+
+
+_ASSIGNMENT = attrgetter("assignment")
 
 
 def _tier_key_for(bounds: tuple[int, ...]) -> Callable[[Machine], _VKey]:

@@ -148,6 +148,7 @@ class CycleScratch:
         self.mcur: dict[int, int] = {}
         self._domains: dict[tuple[tuple[Requirement, ...], Vec, str], list[tuple[str, list[MClass]]]] = {}
         self.supply_memo: dict[int, tuple[list[MClass], MatchingSupply]] = {}
+        self._price_rank: list[int] | None = None
         self.bound_lists_memo: dict[tuple[str, int, tuple[Requirement, ...], Vec], list[tuple[MClass, list[Machine]]]] = {}
 
     # --- pool cursors ---------------------------------------------------------------------------
@@ -187,6 +188,16 @@ class CycleScratch:
             got = [c for c in self.ix.matched_classes(n.reqs) if covers(alloc[c.idx], minu)]
             self._eligible[k] = got
         return got
+
+    def price_rank(self) -> list[int]:
+        """class idx → its position in (price, idx) order (a C-level sort key for class lists)."""
+        if self._price_rank is None:
+            classes = self.ix.classes
+            rank = [0] * len(classes)
+            for pos, c in enumerate(sorted(classes, key=lambda c: (c.price, c.idx))):
+                rank[c.idx] = pos
+            self._price_rank = rank
+        return self._price_rank
 
     def eligible_set(self, n: NeedRow) -> set[int]:
         k = (n.reqs, n.minu)
