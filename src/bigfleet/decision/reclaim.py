@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Container, Iterator, Mapping, Sequence
-from itertools import compress, islice
-from operator import not_
+from collections.abc import Iterator, Mapping, Sequence
+from itertools import islice
 from typing import Protocol
 
 from bigfleet.machine.record import Machine
@@ -16,7 +15,7 @@ from .index import (
     CONFIGURED,
     m_reclamation,
 )
-from .scratch import MACHINE_ID, CycleScratch
+from .scratch import CycleScratch
 from .types import (
     Action,
     Drain,
@@ -44,12 +43,10 @@ def excess_drains(cy: CycleScratch, cluster: str, grace: int, limit: int, exclud
     if total <= 0 or limit <= 0:
         return [], max(0, total)
 
-    skip: Container[str] = held.keys() | exclude if exclude else held
-
     def tail(lst: list[Machine]) -> Iterator[Machine]:
-        """The list's unclaimed machines, read backwards (lazy and C-level: no Python step per
-        machine passed over, which under a draining wave is most of them)."""
-        return compress(reversed(lst), map(not_, map(skip.__contains__, map(MACHINE_ID, reversed(lst)))))
+        for m in reversed(lst):
+            if m.id not in held and m.id not in exclude:
+                yield m
 
     lists = list(by_class.values())
     stream: Iterator[Machine] = tail(lists[0]) if len(lists) == 1 else heapq.merge(
