@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 PROTO_DIR := proto
 GEN_DIR   := src/bigfleet/v1alpha1
 
-.PHONY: install browser-deps proto proto-check lint typecheck test test-fast test-topology bench fuzz soak e2e scale clean helm-check sync-crds
+.PHONY: install browser-deps proto proto-check lint typecheck test test-fast test-topology test-heavy bench fuzz soak e2e scale clean helm-check sync-crds
 
 install: $(BIN)/bigfleet browser-deps
 
@@ -51,6 +51,10 @@ test-fast:
 # the full scenario, with leader kill -9 / SIGSTOP and a cluster move (make test runs a slice).
 test-topology:
 	BIGFLEET_TOPOLOGY_FULL=1 $(BIN)/pytest -q -m topology
+
+# Long real-process variants kept out of make test (a faster test there covers each one's behaviour).
+test-heavy:
+	$(BIN)/pytest -q -p no:cacheprovider -m heavy
 
 bench:
 	$(BIN)/python -m bench

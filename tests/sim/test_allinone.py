@@ -51,6 +51,7 @@ def test_all_in_one_refuses_a_bad_scenario_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # (the scenario engine and cut-offs: tests/sim in-process; the all-in-one runs below)
 @pytest.mark.timeout(300)
 def test_all_in_one_runs_a_scenario_file_with_an_operator_cut_off(tmp_path: Path) -> None:
     sc = tmp_path / "two.yaml"
@@ -143,7 +144,8 @@ def _ctl(command: str, *extra: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("tls", ["plaintext", "mtls"])
+@pytest.mark.parametrize("tls", ["plaintext", pytest.param("mtls", marks=pytest.mark.heavy)])  # (mTLS all-in-one:
+# tests/security/test_tls_conformance_allinone.py, in make test)
 def test_all_in_one_places_clusters_through_the_coordinator_and_serves_the_dashboard(tmp_path: Path,
                                                                                      tls: str) -> None:
     """Production wiring: the simulated operators find their shard through the coordinator, so the

@@ -9,8 +9,8 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Iterable
 from itertools import repeat
+from math import isnan
 from operator import itemgetter
-from typing import Any
 
 from bigfleet.machine.record import Machine
 
@@ -107,17 +107,22 @@ def _keep_runs(cy: CycleScratch, lists: list[tuple[MClass, list[Machine]]]) -> l
     search for its penalty says: O(penalties × log machines) per class, not a walk of every machine
     (a wave of drains changes every cluster, and this ran over the whole fleet each cycle).
     """
-    segs: list[tuple[float, float, Any, Vec, list[Machine], int, int]] = []
+    segs: list[tuple[float, float, int, Vec, list[Machine], int, int]] = []
+    rank = cy.class_rank()
     for c, lst in lists:
         a = cy.alloc[c.idx]
+        cr = rank[c.idx]  # (class position in sort_key order: the same tie-break, int compares)
         if RECLAMATION_STAMP(lst[0]) == RECLAMATION_STAMP(lst[-1]):  # one penalty in the whole class (common)
-            segs.append((c.price, -m_reclamation(lst[0]), c.sort_key, a, lst, 0, len(lst)))
+            segs.append((c.price, -m_reclamation(lst[0]), cr, a, lst, 0, len(lst)))
             continue
+        stamps = list(map(RECLAMATION_STAMP, lst))
+        plain = not any(map(isnan, stamps)) and min(stamps) >= 0
         pos, size = 0, len(lst)
         while pos < size:
             r = m_reclamation(lst[pos])
-            end = bisect_right(lst, -r, pos, size, key=_negated_reclamation)
-            segs.append((c.price, -r, c.sort_key, a, lst, pos, end))
+            # stamps descend along a keep-ordered list: a plain one's run of r is all its copies (C count)
+            end = pos + stamps.count(r) if plain else bisect_right(lst, -r, pos, size, key=_negated_reclamation)
+            segs.append((c.price, -r, cr, a, lst, pos, end))
             pos = end
     segs.sort(key=_SEG_ORDER)
     runs: list[tuple[Vec, list[Machine]]] = []

@@ -149,6 +149,7 @@ class CycleScratch:
         self._domains: dict[tuple[tuple[Requirement, ...], Vec, str], list[tuple[str, list[MClass]]]] = {}
         self.supply_memo: dict[int, tuple[list[MClass], MatchingSupply]] = {}
         self._price_rank: list[int] | None = None
+        self._class_rank: list[int] | None = None
         self.bound_lists_memo: dict[tuple[str, int, tuple[Requirement, ...], Vec], list[tuple[MClass, list[Machine]]]] = {}
 
     # --- pool cursors ---------------------------------------------------------------------------
@@ -198,6 +199,17 @@ class CycleScratch:
                 rank[c.idx] = pos
             self._price_rank = rank
         return self._price_rank
+
+    def class_rank(self) -> list[int]:
+        """class idx → its position in `MClass.sort_key` order (classes added since the cold build
+        are numbered after it, so the idx alone is not that order)."""
+        if self._class_rank is None:
+            classes = self.ix.classes
+            rank = [0] * len(classes)
+            for pos, c in enumerate(sorted(classes, key=lambda c: c.sort_key)):
+                rank[c.idx] = pos
+            self._class_rank = rank
+        return self._class_rank
 
     def eligible_set(self, n: NeedRow) -> set[int]:
         k = (n.reqs, n.minu)
