@@ -200,7 +200,7 @@ def keep_stream(cy: CycleScratch, n: NeedRow, state: int, lists: list[tuple[MCla
     else:
         items = [(c.price, -m_reclamation(m), c.sort_key, m.id, c, m) for c, lst in lists for m in lst]
         items.sort(key=lambda t: (t[0], t[1], t[2], t[3]))
-        got = [(t[4], t[5]) for t in items]
+        got = [(it[4], it[5]) for it in items]  # not `t`: mypyc shares a generator's comprehension vars with its locals
         cy.merged_keep_order[mk] = (lists, got)
         cy.mcur.pop(mk, None)
     i = cy.mcur.get(mk, 0)

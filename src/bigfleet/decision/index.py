@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import compress, groupby
 from operator import attrgetter
-from typing import Any
+from typing import Any, ClassVar
 
 from bigfleet.machine.record import Machine, MachineShape
 from bigfleet.machine.state import CapacityType, MachineState
@@ -412,7 +412,7 @@ class VictimOrders:
 
     #: distinct tierings (and bounds tuples) kept per class; more are rare (needs come in a few
     #: priorities) and simply rebuilt
-    MAX_ORDERS = 8
+    MAX_ORDERS: ClassVar[int] = 8
 
     def __init__(self, ver: int, machines: list[Machine]) -> None:
         self.ver = ver
