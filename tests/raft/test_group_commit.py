@@ -17,9 +17,11 @@ class _Log:
         self.gate = asyncio.Event()
         self.gate.set()
         self.fail_next = False
+        self.started = asyncio.Event()  # a batch reached the log
 
     async def commit(self, entries: tuple[str, ...], epoch: int) -> tuple[bool, ...]:
         self.batches.append((entries, epoch))
+        self.started.set()
         await self.gate.wait()
         if self.fail_next:
             self.fail_next = False
@@ -39,9 +41,9 @@ async def test_writes_queued_behind_a_commit_go_together_and_keep_their_answers(
     g: GroupCommit[str] = GroupCommit(log.commit)
     log.gate.clear()
     first = asyncio.create_task(g.submit("a", 1))
-    await asyncio.sleep(0.01)  # "a" is committing
+    await log.started.wait()  # "a" is committing
     rest = [asyncio.create_task(g.submit(x, 1)) for x in ("b", "stale-c", "d")]
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0)  # (one loop turn: the new writers queue)
     assert log.batches == [(("a",), 1)]
     log.gate.set()
     assert await first
@@ -54,9 +56,9 @@ async def test_epochs_never_share_a_batch_and_batches_are_bounded() -> None:
     g: GroupCommit[str] = GroupCommit(log.commit, max_batch=2)
     log.gate.clear()
     first = asyncio.create_task(g.submit("a", 1))
-    await asyncio.sleep(0.01)
+    await log.started.wait()
     rest = [asyncio.create_task(g.submit(x, e)) for x, e in (("b", 1), ("c", 2), ("d", 1), ("e", 1))]
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0)  # (one loop turn: the new writers queue)
     log.gate.set()
     await asyncio.gather(first, *rest)
     assert log.batches == [(("a",), 1), (("b", "d"), 1), (("c",), 2), (("e",), 1)]
@@ -68,7 +70,7 @@ async def test_an_error_fails_its_batch_only() -> None:
     log.gate.clear()
     log.fail_next = True
     first = asyncio.create_task(g.submit("a", 1))
-    await asyncio.sleep(0.01)
+    await log.started.wait()
     later = asyncio.create_task(g.submit("b", 1))
     log.gate.set()
     with pytest.raises(RaftError):
@@ -82,10 +84,10 @@ async def test_a_writer_that_gave_up_before_its_batch_left_is_not_committed() ->
     g: GroupCommit[str] = GroupCommit(log.commit)
     log.gate.clear()
     first = asyncio.create_task(g.submit("a", 1))
-    await asyncio.sleep(0.01)
+    await log.started.wait()
     gave_up = asyncio.create_task(g.submit("b", 1))
     kept = asyncio.create_task(g.submit("c", 1))
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0)  # (one loop turn: the new writers queue)
     gave_up.cancel()
     log.gate.set()
     assert await first and await kept

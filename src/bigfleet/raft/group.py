@@ -26,7 +26,6 @@ class GroupCommit(Generic[E]):
         self.max_batch = max_batch
         self._queued: list[tuple[E, int, asyncio.Future[bool]]] = []
         self._task: asyncio.Task[None] | None = None
-        self.batches = 0  # (committed batches, for tests and metrics)
 
     async def submit(self, entry: E, epoch: int) -> bool:
         """Queue ``entry`` for the next batch and wait for its own result (or the batch's error)."""
@@ -51,7 +50,6 @@ class GroupCommit(Generic[E]):
                     self._fail_queued()
                     raise
                 continue
-            self.batches += 1
             for (_, _, fut), ok in zip(batch, results, strict=True):
                 if not fut.done():
                     fut.set_result(ok)

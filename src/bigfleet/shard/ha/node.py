@@ -12,6 +12,7 @@ committed (one command per batch) and each command is sent to the followers at o
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -179,7 +180,10 @@ class ShardRaft(RaftBridge[HAState]):
         return self._ha.fsm.ledger
 
     async def replace(self, cluster_id: str, data: bytes, now: int, epoch: int, timeout: float = 5.0) -> bool:
-        return await self.rollups.submit((cluster_id, bytes(data), now), epoch)
+        try:
+            return await asyncio.wait_for(self.rollups.submit((cluster_id, bytes(data), now), epoch), timeout)
+        except TimeoutError as exc:  # (queued behind a slow batch, or in a batch that timed out)
+            raise RaftError(f"roll-up commit timed out after {timeout}s") from exc
 
     async def _commit_rollups(self, entries: tuple[tuple[str, bytes, int], ...], epoch: int) -> tuple[bool, ...]:
         results = await self.call(self._ha.upsert_rollups, entries, epoch, timeout=5.0, what="roll-up commit")
