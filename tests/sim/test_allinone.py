@@ -237,7 +237,14 @@ def test_all_in_one_places_clusters_through_the_coordinator_and_serves_the_dashb
         with no_proxy.open(dash.group(1) + "api/fleet", timeout=10) as resp:
             assert resp.status == 200 and isinstance(json.loads(resp.read()), dict)
 
-        # 5. Ctrl-C ends it early with the summary, which counts the bindings too.
+        # 5. The plain status line (every 2 s here) counts every cluster connected and bound. The checks
+        # above can finish before the first one is printed, so read on until it is.
+        for line in proc.stdout:
+            lines.append(line)
+            if re.search(r"clusters connected=3 bound=3 ", line):
+                break
+
+        # 6. Ctrl-C ends it early with the summary, which counts the bindings too.
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
         out = "".join(lines) + rest
