@@ -10,9 +10,11 @@ docs/decision-engine.md for the rules and every deliberate deviation.
 from __future__ import annotations
 
 import gc
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, setitem
 from typing import Literal
 
 from bigfleet.machine.inventory import Inventory
@@ -22,7 +24,7 @@ from bigfleet.needs import Need, NeedsTable
 
 from .acquire import acquisition_actions
 from .index import IDLE, SPEC, Index, add_machine, build_index, free_supply, remove_machine
-from .ledgers import Ledgers, ledgers
+from .ledgers import CarriedShort, Ledgers, ShortPart, ledgers
 from .normalise import normalize_rows
 from .order import acquire_all, credit_all, needs_by_cluster
 from .preempt import preempt_all
@@ -60,16 +62,18 @@ class ClusterCache:
     be reused while its inputs are unchanged: every need met by its own bound machines, or (with a
     `watch`) the unmet ones provably unable to get anything anywhere."""
 
-    __slots__ = ("credited", "domains", "drains", "folded", "gangs", "hconf", "held", "key", "needs", "rows",
-                 "unmet_rows", "verdict_rows", "verdicts", "watch")
+    __slots__ = ("aged", "credited", "domains", "drains", "folded", "gangs", "hconf", "held", "key", "needs", "rows",
+                 "short", "unmet_rows", "verdicts", "watch")
 
     def __init__(self, key: CacheKey, needs: tuple[Need, ...], rows: list[NeedRow], held: dict[str, NeedRow],
                  verdicts: list[Verdict], domains: dict[str, str], hconf: int, watch: UnmetWatch | None) -> None:
         self.key = key
         self.watch = watch
-        #: rows short after Phase 1: their unmet age moves every cycle (verdicts and ledgers follow)
+        #: rows short after Phase 1: their unmet age moves every cycle (verdicts and ledgers follow
+        #: through `short` and `aged`; the rows' own `unmet_age` stays as first computed)
         self.unmet_rows = [n for n in rows if any(n.p1_remaining)]
-        self.verdict_rows: list[NeedRow | None] | None = None
+        self.short = ShortPart(self.unmet_rows[0].cluster, self.unmet_rows) if self.unmet_rows else None
+        self.aged = _AgedVerdicts(verdicts, self.short.keys) if self.short is not None else None
         self.needs = needs
         self.rows = rows
         self.held = held
@@ -101,8 +105,8 @@ class _Split:
     fresh: list[_FreshCluster]
     folded: int
     needs_in: int
-    #: rows of reused clusters that are still short (aged this cycle; the ledgers count them)
-    unmet_rows: list[NeedRow]
+    #: reused clusters that are still short (aged this cycle; the ledgers count them)
+    short_parts: dict[str, ShortPart]
 
 
 class Engine:
@@ -131,9 +135,11 @@ class Engine:
         self._cdims: dict[str, tuple[tuple[Need, ...], frozenset[str]]] = {}
         #: class idx → (its configured version, the lowest priority stamped on its Configured machines)
         self._lowest_prio: dict[int, tuple[int, int]] = {}
-        #: last cycle's unmet-age keys and their sorted order (see `_key_sorted_unmet`)
-        self._unmet_keys: set[str] = set()
-        self._unmet_order: list[str] = []
+        #: the reused short clusters' shortfall groups, updated by the clusters that joined or left
+        self._short = CarriedShort()
+        #: the unmet-age map the last (completed) cycle emitted: a state carrying that very map needs
+        #: no age lookups for reused clusters (see `ShortPart.age`); None after a failed cycle
+        self._emitted_unmet: Mapping[str, int] | None = None
         self.last_index_changes = 0
         #: how many reused clusters had unmet needs last cycle (tests check the path is exercised)
         self.last_unmet_reused = 0
@@ -262,7 +268,9 @@ class Engine:
     def _decide(self, ix: Index, by_cluster: dict[str, tuple[Need, ...]], now: int, state: EngineState,
                 config: EngineConfig, reservations: Mapping[str, str]) -> Decision:
         cy = CycleScratch(ix, self._dims(by_cluster), reservations)
-        split = self._split(cy, by_cluster, state, config)
+        emitted = state.unmet_ages is self._emitted_unmet
+        self._emitted_unmet = None
+        split = self._split(cy, by_cluster, state, config, emitted)
         work = [n for fc in split.fresh for n in fc.rows]
         work.sort(key=lambda r: r.order)
         self._mark("phase1_prepare")
@@ -292,28 +300,22 @@ class Engine:
         if config.max_actions_per_cycle > 0 and len(actions) > config.max_actions_per_cycle:
             truncated = actions[config.max_actions_per_cycle:]
             actions = actions[: config.max_actions_per_cycle]
-        led = ledgers(cy, work, state, config, split.unmet_rows)
+        self._short.sync(split.short_parts, cy.dims)
+        led = ledgers(cy, work, state, config, self._short)
         next_state = EngineState(  # key-sorted so equal states also print (and serialise) identically
             cycle=state.cycle + 1,
             shortfall_ages=dict(sorted(led.shortfall_ages.items())),
-            unmet_ages=self._key_sorted_unmet(led.unmet_ages),
+            unmet_ages=led.unmet_ages,
             parking=dict(sorted(led.parking.items())),
             same_domains=dict(sorted(domains.items())),
             first_rollup=state.first_rollup,
         )
         stats = _stats(ix, split, work, led, len(preempts), counters["victims_scanned"], len(reclaims), deferred,
                        len(releases), len(truncated))
+        self._emitted_unmet = next_state.unmet_ages
         self._mark("ledgers")
         self.last_phase_seconds.pop("_t", None)
         return _decision(actions, truncated, led, verdicts, stats, next_state, config)
-
-    def _key_sorted_unmet(self, ages: dict[str, int]) -> dict[str, int]:
-        """`ages` in key order; under persistent unmet demand the keys rarely change, so last
-        cycle's order is reused when they are the same (a set comparison instead of a sort)."""
-        if ages.keys() != self._unmet_keys:
-            self._unmet_keys = set(ages)
-            self._unmet_order = sorted(ages)
-        return {k: ages[k] for k in self._unmet_order}
 
     def _dims(self, by_cluster: dict[str, tuple[Need, ...]]) -> tuple[str, ...]:
         """The cycle's resource dimensions: the union over every need (cached per cluster)."""
@@ -333,7 +335,7 @@ class Engine:
         return tuple(sorted(dim_set))
 
     def _split(self, cy: CycleScratch, by_cluster: dict[str, tuple[Need, ...]], state: EngineState,
-               config: EngineConfig) -> _Split:
+               config: EngineConfig, emitted: bool) -> _Split:
         """Reuse every cluster whose cache entry still holds; normalise the others into rows.
 
         A cached cluster depends on the free pool only through Same folding (see `normalize_rows`):
@@ -343,7 +345,7 @@ class Engine:
         ix = cy.ix
         base_key = (cy.dims, ix.classes_ver)
         free_ver = ix.free_ver
-        split = _Split({}, [], 0, 0, [])
+        split = _Split({}, [], 0, 0, {})
         free: set[int] | None = None
         watch_check = _WatchCheck(ix)
         self.last_unmet_reused = 0
@@ -359,9 +361,9 @@ class Engine:
                 split.cached[c] = cc
                 cy.held[c] = cc.held
                 cy.hconf[c] = cc.hconf
-                if cc.unmet_rows:
-                    _age_unmet(cc, state)
-                    split.unmet_rows.extend(cc.unmet_rows)
+                if cc.short is not None:
+                    _age_unmet(cc, cc.short, state, emitted)
+                    split.short_parts[c] = cc.short
                     self.last_unmet_reused += 1
                 continue
             if free is None:
@@ -468,33 +470,49 @@ class _WatchCheck:
         return self._in_flight.isdisjoint(watch.fingerprints)
 
 
-def _age_unmet(cc: ClusterCache, state: EngineState) -> None:
+def _age_unmet(cc: ClusterCache, short: ShortPart, state: EngineState, emitted: bool) -> None:
     """Move a reused cluster's short rows and their verdicts to this cycle's unmet ages."""
-    ages = state.unmet_ages
-    moved = False
-    for n in cc.unmet_rows:
-        age = ages.get(n.key, 0) + 1
-        if age != n.unmet_age:
-            n.unmet_age = age
-            moved = True
-    if not moved:
-        return
-    if cc.verdict_rows is None:  # which row each verdict reports (None: a satisfied one), built once
-        by_key = {n.key: n for n in cc.unmet_rows}
-        cc.verdict_rows = [None if v.satisfied else by_key[v.cluster_id + "\x00" + (v.folded_into or v.fingerprint)]
-                           for v in cc.verdicts]
-    new, set_attr = object.__new__, object.__setattr__
-    aged: list[Verdict] = []
-    for v, row in zip(cc.verdicts, cc.verdict_rows, strict=True):
-        if row is None or row.unmet_age == v.age_cycles_unmet:
-            aged.append(v)
-            continue
-        fields = v.__dict__.copy()
-        fields["age_cycles_unmet"] = row.unmet_age
-        fresh = new(Verdict)
-        set_attr(fresh, "__dict__", fields)  # (as `build_fast`: one C-level copy, not a field merge)
-        aged.append(fresh)
-    cc.verdicts = aged
+    ages = short.age(state.unmet_ages, emitted)
+    assert cc.aged is not None
+    cc.verdicts = cc.aged.issue(cc.verdicts, ages)
+
+
+def _consume(it: Iterable[object]) -> None:
+    """Run a C-level `map` for its effect."""
+    deque(it, maxlen=0)
+
+
+_new = object.__new__
+_DICT = attrgetter("__dict__")
+
+
+class _AgedVerdicts:
+    """Where a reused short cluster's unmet verdicts sit and which of its need keys each reports, so
+    a cycle re-issues them with new ages by C-level maps instead of a Python loop per verdict."""
+
+    __slots__ = ("key_pos", "pos", "templates")
+
+    def __init__(self, verdicts: list[Verdict], keys: list[str]) -> None:
+        at = {k: i for i, k in enumerate(keys)}
+        self.pos = [i for i, v in enumerate(verdicts) if not v.satisfied]
+        unmet = [verdicts[i] for i in self.pos]
+        key_pos = [at[v.cluster_id + "\x00" + (v.folded_into or v.fingerprint)] for v in unmet]
+        #: None when the unmet verdicts are the keys one to one, in order (no folding: the usual case)
+        self.key_pos = None if key_pos == list(range(len(keys))) else key_pos
+        #: the verdicts' field dicts as first built (never mutated: each cycle copies them)
+        self.templates = [v.__dict__ for v in unmet]
+
+    def issue(self, verdicts: list[Verdict], ages: list[int]) -> list[Verdict]:
+        """`verdicts` with each unmet one replaced by an equal record but for `age_cycles_unmet`
+        (as `build_fast`: one C-level dict copy per record, not a field-by-field construction)."""
+        fresh: list[Verdict] = list(map(_new, repeat(Verdict, len(self.templates))))
+        fields = list(map(_DICT, fresh))
+        _consume(map(dict.update, fields, self.templates))
+        vages = ages if self.key_pos is None else map(ages.__getitem__, self.key_pos)
+        _consume(map(dict.__setitem__, fields, repeat("age_cycles_unmet"), vages))
+        out = verdicts.copy()
+        _consume(map(setitem, repeat(out), self.pos, fresh))
+        return out
 
 
 def _age_parking(rows: list[NeedRow], state: EngineState, config: EngineConfig) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from bigfleet.machine.record import Machine
 from bigfleet.machine.state import MachineState
-from bigfleet.needs import Need, Operator, Requirement, TopologySpread
+from bigfleet.needs import Need, Operator, Requirement, Resources, TopologySpread
 
 from .index import (
     Index,
@@ -148,6 +148,8 @@ class CycleScratch:
         self.mcur: dict[int, int] = {}
         self._domains: dict[tuple[tuple[Requirement, ...], Vec, str], list[tuple[str, list[MClass]]]] = {}
         self.supply_memo: dict[int, tuple[list[MClass], MatchingSupply]] = {}
+        #: deficit vector → its `Resources` (verdicts share one record per distinct deficit)
+        self.resources_memo: dict[Vec, Resources] = {}
         self._price_rank: list[int] | None = None
         self._class_rank: list[int] | None = None
         self.bound_lists_memo: dict[tuple[str, int, tuple[Requirement, ...], Vec], list[tuple[MClass, list[Machine]]]] = {}

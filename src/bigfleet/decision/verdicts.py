@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from bigfleet.needs import EMPTY
+from bigfleet.needs import EMPTY, Resources
 
 from .index import (
     IDLE,
@@ -16,7 +16,7 @@ from .types import (
     UnmetReason,
     Verdict,
 )
-from .vec import to_resources
+from .vec import Vec, to_resources
 
 
 def _matching_supply(cy: CycleScratch, n: NeedRow) -> MatchingSupply:
@@ -54,11 +54,20 @@ def unmet_reason(cy: CycleScratch, n: NeedRow, unsat: bool, supply: MatchingSupp
 _NO_SUPPLY = MatchingSupply()
 
 
+def _resources(cy: CycleScratch, v: Vec) -> Resources:
+    """One (immutable) record per distinct deficit in a cycle: short needs mostly share a few, and
+    a reused cluster copies its verdicts every cycle, touching each one's deficit."""
+    got = cy.resources_memo.get(v)
+    if got is None:
+        got = cy.resources_memo[v] = to_resources(cy.dims, v)
+    return got
+
+
 def need_verdicts(cy: CycleScratch, n: NeedRow, unsat: bool) -> list[Verdict]:
     supply = _matching_supply(cy, n) if unsat else _NO_SUPPLY
     members = n.members
     folded = len(members) > 1 or members[0] is not n.need
-    deficit = to_resources(cy.dims, n.p1_remaining) if unsat else EMPTY
+    deficit = _resources(cy, n.p1_remaining) if unsat else EMPTY
     reason = unmet_reason(cy, n, unsat, supply) if unsat else UnmetReason.SATISFIED
     freed = to_resources(cy.dims, n.freed) if n.victims else None
     into = n.fp if folded else ""

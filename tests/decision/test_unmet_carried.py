@@ -1,0 +1,179 @@
+"""Persistent unmet demand, carried between cycles: the reused short clusters' shortfall groups
+(`CarriedShort`), their verdicts re-issued with new ages, and the unmet ages taken from the map the
+engine emitted last cycle. Each must equal a cold recomputation, whether the state comes back as
+emitted, through JSON (a restart), or edited by the caller."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from bigfleet.decision import Engine, EngineConfig, EngineState, decide
+from bigfleet.decision.cycle import ClusterCache
+from bigfleet.decision.ledgers import CarriedShort, ShortPart, _key_sorted
+from bigfleet.decision.scratch import NeedRow
+from bigfleet.machine import Inventory
+from bigfleet.needs import Need, NeedsTable, Operator, PenaltyBucket, Profile, Requirement
+
+from .fx import NOW, TYPE_KEY, ZONE_KEY, S, machine
+from .test_engine_steady import CLUSTERS, _apply_some, _demand, _res, _same, _scarce_machine, _small_change
+
+EXERCISED = {"emitted": 0, "looked_up": 0}
+
+
+def _next_state(rnd: random.Random, got: EngineState) -> tuple[EngineState, bool]:
+    """What the caller hands back: mostly the emitted state, else a restored or edited one."""
+    roll = rnd.random()
+    if roll < 0.6:
+        return got, True
+    if roll < 0.8:
+        return EngineState.from_dict(json.loads(json.dumps(got.to_dict()))), False
+    ages = dict(got.unmet_ages)
+    for k in rnd.sample(sorted(ages), min(2, len(ages))):
+        ages[k] = rnd.choice((0, 1, 7))
+    if ages and rnd.random() < 0.5:
+        del ages[rnd.choice(sorted(ages))]
+    return EngineState(got.cycle, got.shortfall_ages, ages, got.parking, got.same_domains, got.first_rollup), False
+
+
+def _check_carried(eng: Engine) -> None:
+    """The carried groups equal the groups of a fresh `CarriedShort` given the same parts."""
+    carried = eng._short
+    cold = CarriedShort()
+    cold.sync(dict(carried.members), carried.dims)
+    assert carried.count == cold.count
+    assert carried.groups.keys() == cold.groups.keys()
+    for fp, g in carried.groups.items():
+        c = cold.groups[fp]
+        assert (g.count, g.deficit, g.clusters, g.heads) == (c.count, c.deficit, c.clusters, c.heads)
+        assert g.first() is c.first()
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_carried_unmet_equals_cold_decide_over_restores_and_churn(seed: int) -> None:
+    rnd = random.Random(5000 + seed)
+    inv = Inventory([_scarce_machine(rnd, i) for i in range(rnd.randint(20, 50))])
+    table = NeedsTable()
+    for c in CLUSTERS:
+        _demand(rnd, table, c)
+    cfg = EngineConfig(preempt_after_cycles=rnd.choice((1, 3)), shortfall_report_cap=rnd.choice((1, 2, 100)))
+    state = EngineState(first_rollup=frozenset(CLUSTERS))
+    eng = Engine()
+    emitted = False
+    for _ in range(30):
+        got = eng.decide(table, inv, NOW, state, cfg)
+        want = decide(table, Inventory(list(inv)), NOW, state, cfg)
+        _same(got, want)
+        assert repr(got.state) == repr(want.state)  # same key order too
+        _check_carried(eng)
+        if eng.last_unmet_reused:
+            EXERCISED["emitted" if emitted else "looked_up"] += 1
+        state, emitted = _next_state(rnd, got.state)
+        _apply_some(rnd, inv, got.actions, NOW)
+        if rnd.random() < 0.5:
+            _small_change(rnd, inv, table, NOW)
+
+
+def test_the_sequences_above_exercise_both_age_paths() -> None:
+    if EXERCISED["emitted"] + EXERCISED["looked_up"] == 0:
+        pytest.skip("runs after the parametrized sequences")
+    assert EXERCISED["emitted"] >= 20 and EXERCISED["looked_up"] >= 10, EXERCISED
+
+
+def _row(cluster: str, job: int, units: int, prio: int) -> NeedRow:
+    prof = Profile.build([], (), prio, PenaltyBucket.B64, PenaltyBucket.ZERO, f"job-{job}")
+    need = Need(cluster, prof, _res(units), _res(1), 1 + job)
+    n = NeedRow(need, [need], ("nvidia.com/gpu",))
+    n.unmet_age = 1
+    return n
+
+
+def test_carried_short_follows_random_joins_and_leaves() -> None:
+    """Clusters join and leave (a recomputed one comes back as a new part) in random order: the
+    carried groups always equal a fresh sync of the same parts."""
+    rnd = random.Random(7)
+    names = [f"c{i:02d}" for i in range(12)]
+    carried = CarriedShort()
+    live: dict[str, ShortPart] = {}
+    rows_of: dict[str, list[NeedRow]] = {}
+    for _ in range(300):
+        for c in rnd.sample(names, rnd.randint(1, 4)):
+            if c in live and rnd.random() < 0.5:
+                del live[c], rows_of[c]
+            else:
+                rows_of[c] = [_row(c, rnd.randint(0, 4), rnd.randint(1, 3), rnd.choice((10, 20)))
+                              for _ in range(rnd.randint(1, 4))]
+                live[c] = ShortPart(c, rows_of[c])
+        carried.sync(live, ("nvidia.com/gpu",))
+        cold = CarriedShort()
+        cold.sync(live, ("nvidia.com/gpu",))
+        assert carried.count == cold.count == sum(p.count for p in live.values())
+        assert carried.groups.keys() == cold.groups.keys()
+        for fp, g in carried.groups.items():
+            c = cold.groups[fp]
+            assert (g.count, g.deficit, g.clusters) == (c.count, c.deficit, c.clusters)
+            assert g.first() is c.first()
+            rows = [n for c in sorted(rows_of) for n in rows_of[c] if n.fp == fp]  # the cold ledgers' order
+            assert g.first() is min(rows, key=lambda n: n.order)
+            assert g.deficit == (sum(n.remaining[0] for n in rows),)
+            assert g.clusters == sorted({n.cluster for n in rows})
+    kept = dict(list(live.items())[:3])
+    carried.sync(kept, ("cpu",))  # other dimensions: the kept parts are filed again, the rest dropped
+    assert carried.dims == ("cpu",) and carried.members == kept
+    assert carried.count == sum(p.count for p in kept.values())
+
+
+def test_key_sorted_falls_back_to_a_sort_when_chunks_interleave() -> None:
+    assert list(_key_sorted([("b", ["b\x00x"], [1]), ("a", ["a\x00y", "a\x00z"], [2, 3])])) == [
+        "a\x00y", "a\x00z", "b\x00x"]
+    odd = _key_sorted([("a", ["a\x00z"], [1]), ("a\x00b", ["a\x00b\x00c"], [2])])  # a NUL in a name
+    assert list(odd) == ["a\x00b\x00c", "a\x00z"]
+
+
+def test_cluster_cache_reissues_verdicts_equal_but_for_the_age() -> None:
+    """Only `age_cycles_unmet` of the unmet verdicts moves; every other field is the first build's."""
+    inv = Inventory([])
+    table = NeedsTable()
+    table.replace("c", [Need("c", Profile.build([], (), 10, PenaltyBucket.B64, PenaltyBucket.ZERO, f"j{i}"),
+                             _res(1), _res(1), 1 + i) for i in range(3)], NOW)
+    eng = Engine()
+    state = EngineState(first_rollup=frozenset({"c"}))
+    d1 = eng.decide(table, inv, NOW, state, EngineConfig())
+    d2 = eng.decide(table, inv, NOW, d1.state, EngineConfig())
+    assert eng.last_unmet_reused == 1
+    cc = eng._cache["c"]
+    assert isinstance(cc, ClusterCache)
+    assert [v.age_cycles_unmet for v in d1.verdicts] == [1, 1, 1]
+    assert [v.age_cycles_unmet for v in d2.verdicts] == [2, 2, 2]
+    for a, b in zip(d1.verdicts, d2.verdicts, strict=True):
+        assert {**a.__dict__, "age_cycles_unmet": 0} == {**b.__dict__, "age_cycles_unmet": 0}
+    assert list(d2.state.unmet_ages.values()) == [2, 2, 2]
+
+
+def test_folded_gangs_of_a_reused_short_cluster_age_every_member_verdict() -> None:
+    """Two small gangs fold into one short row (two verdicts, one need key): the re-issued verdicts
+    map to their row's age, as a cold `decide` gives, carried or restored."""
+    small = [Requirement(TYPE_KEY, Operator.IN, ("small",))]
+    plain = Profile.build(small, (), 5000, PenaltyBucket.B64, PenaltyBucket.ZERO, "")
+    gangs = [Profile.build([*small, Requirement(ZONE_KEY, Operator.SAME, ())], (), 100, PenaltyBucket.B64,
+                           PenaltyBucket.ZERO, g) for g in ("g1", "g2")]
+    needs = [Need("c", plain, _res(2), _res(1), 1)] + [Need("c", p, _res(1), _res(1), 2) for p in gangs]
+    inv = Inventory([machine("m", S.CONFIGURED, cluster="c", itype="small", res=_res(2), prio=5000,
+                             fp=plain.fingerprint(), zone="za")])
+    table = NeedsTable()
+    table.replace("c", needs, NOW)
+    cfg = EngineConfig()
+    state = EngineState(first_rollup=frozenset({"c"}))
+    eng = Engine()
+    for i in range(4):
+        got = eng.decide(table, inv, NOW, state, cfg)
+        _same(got, decide(table, Inventory(list(inv)), NOW, state, cfg))
+        assert got.stats.needs_folded == 2
+        if i:
+            assert eng.last_unmet_reused == 1
+            aged = eng._cache["c"].aged
+            assert aged is not None and aged.key_pos == [0, 0]
+        assert sorted(v.age_cycles_unmet for v in got.verdicts) == [0, i + 1, i + 1]
+        state = got.state if i != 2 else EngineState.from_dict(json.loads(json.dumps(got.state.to_dict())))
