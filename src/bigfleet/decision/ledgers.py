@@ -49,13 +49,16 @@ class ShortPart:
         age_of = {n.key: n.unmet_age for n in rows}
         self.keys = sorted(age_of)
         self.ages = [age_of[k] for k in self.keys]
-        grouped: dict[str, list[NeedRow]] = {}
-        for n in rows:
-            grouped.setdefault(n.fp, []).append(n)
         #: fingerprint → (rows, their summed deficit, the first in precedence order)
-        self.by_fp: dict[str, tuple[int, Vec, NeedRow]] = {
-            fp: (len(ns), tuple(map(sum, zip(*[n.remaining for n in ns], strict=True))), min(ns, key=_PRECEDENCE))
-            for fp, ns in grouped.items()}
+        by_fp: dict[str, tuple[int, Vec, NeedRow]] = {}
+        for n in rows:
+            got = by_fp.get(n.fp)
+            if got is None:
+                by_fp[n.fp] = (1, n.remaining, n)
+            else:
+                k, vec, head = got
+                by_fp[n.fp] = (k + 1, tuple(map(add, vec, n.remaining)), n if n.order < head.order else head)
+        self.by_fp = by_fp
 
     def age(self, prev: Mapping[str, int], emitted: bool) -> list[int]:
         """This cycle's unmet age of each key: one more than the carried one (C-level). `emitted`:
@@ -103,11 +106,15 @@ class CarriedShort:
         if dims != self.dims:  # (every cache entry is rebuilt then; deficits are per dimension order)
             self.members, self.groups, self.count, self.dims = {}, {}, 0, dims
         members = self.members
-        for p in [p for c, p in members.items() if parts.get(c) is not p]:
-            self._remove(p)
+        leaving = [p for c, p in members.items() if c not in parts]
         for c, p in parts.items():
-            if members.get(c) is not p:
+            old = members.get(c)
+            if old is not p:
+                if old is not None:
+                    self._remove(old)
                 self._add(p)
+        for p in leaving:  # after the joins: a joining head spares recomputing a leaving one
+            self._remove(p)
 
     def _add(self, part: ShortPart) -> None:
         c = part.cluster
@@ -226,7 +233,10 @@ def _shortfall(cy: CycleScratch, fp: str, rows: list[NeedRow], group: _Group | N
     clusters = sorted({n.cluster for n in rows})
     if group is not None:
         deficit = tuple(map(add, deficit, group.deficit)) if rows else group.deficit
-        clusters = sorted(group.clusters + clusters) if clusters else group.clusters
+        merged = group.clusters.copy()  # (recomputed clusters are never carried ones)
+        for c in clusters:
+            insort(merged, c)
+        clusters = merged
     return Shortfall(
         fingerprint=fp,
         requirements=head.reqs,
