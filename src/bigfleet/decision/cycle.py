@@ -269,7 +269,7 @@ class Engine:
                 config: EngineConfig, reservations: Mapping[str, str]) -> Decision:
         cy = CycleScratch(ix, self._dims(by_cluster), reservations)
         emitted = state.unmet_ages is self._emitted_unmet
-        self._emitted_unmet = None
+        prev_unmet, self._emitted_unmet = self._emitted_unmet, None
         split = self._split(cy, by_cluster, state, config, emitted)
         work = [n for fc in split.fresh for n in fc.rows]
         work.sort(key=lambda r: r.order)
@@ -301,7 +301,7 @@ class Engine:
             truncated = actions[config.max_actions_per_cycle:]
             actions = actions[: config.max_actions_per_cycle]
         self._short.sync(split.short_parts, cy.dims)
-        led = ledgers(cy, work, state, config, self._short)
+        led = ledgers(cy, work, state, config, self._short, prev_unmet if emitted else None)
         next_state = EngineState(  # key-sorted so equal states also print (and serialise) identically
             cycle=state.cycle + 1,
             shortfall_ages=dict(sorted(led.shortfall_ages.items())),

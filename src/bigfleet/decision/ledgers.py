@@ -101,6 +101,8 @@ class CarriedShort:
         self.groups: dict[str, _Group] = {}
         self.count = 0
         self.dims: tuple[str, ...] = ()
+        #: the need keys of last cycle's unmet ages, chunk by chunk (see `_key_sorted`)
+        self.last_keys: list[list[str]] = []
 
     def sync(self, parts: Mapping[str, ShortPart], dims: tuple[str, ...]) -> None:
         if dims != self.dims:  # (every cache entry is rebuilt then; deficits are per dimension order)
@@ -153,13 +155,14 @@ class CarriedShort:
 
 
 def ledgers(cy: CycleScratch, rows: Iterable[NeedRow], state: EngineState, config: EngineConfig,
-            carried: CarriedShort | None = None) -> Ledgers:
+            carried: CarriedShort | None = None, emitted: Mapping[str, int] | None = None) -> Ledgers:
     """Unmet ages and parking from the Phase-1 deficit; shortfalls from what Phase 2 left short.
 
     `carried`: the reused clusters' short rows, each short by the same amount after Phase 1 and
     Phase 2 and no gang (the `UnmetWatch` conditions), already grouped by fingerprint. A profile's
     shortfall takes its fields from its first row in precedence order, and only the reported head
-    of the shortfall list is built.
+    of the shortfall list is built. `emitted`: the unmet ages `carried` last went into, when
+    `state` carries that very map (it then serves as the copy to update; see `_key_sorted`).
     """
     unmet: dict[str, dict[str, int]] = {}
     parking: dict[str, int] = {}
@@ -194,7 +197,7 @@ def ledgers(cy: CycleScratch, rows: Iterable[NeedRow], state: EngineState, confi
     reported = heapq.nsmallest(cap, ages, key=lambda fp: (-heads[fp].prio, -ages[fp], fp))
     shortfalls = [_shortfall(cy, fp, short.get(fp, []), groups.get(fp), heads[fp], ages[fp], config)
                   for fp in reported]
-    return Ledgers(_key_sorted(chunks), parking, ages, shortfalls, n_unsat, n_unresolved)
+    return Ledgers(_key_sorted(chunks, carried, emitted), parking, ages, shortfalls, n_unsat, n_unresolved)
 
 
 def _head(rows: list[NeedRow] | None, group: _Group | None) -> NeedRow:
@@ -210,12 +213,29 @@ def _head(rows: list[NeedRow] | None, group: _Group | None) -> NeedRow:
     return head
 
 
-def _key_sorted(chunks: list[tuple[str, list[str], list[int]]]) -> dict[str, int]:
+def _key_sorted(chunks: list[tuple[str, list[str], list[int]]], carried: CarriedShort | None = None,
+                emitted: Mapping[str, int] | None = None) -> dict[str, int]:
     """Unmet ages in key order from per-cluster sorted chunks: a need key is its cluster, a NUL and
     its fingerprint, so the chunks in cluster order are already in key order (checked at each
-    chunk boundary; a full sort otherwise)."""
+    chunk boundary; a full sort otherwise).
+
+    When the keys are last cycle's (`carried.last_keys`, chunk by chunk) and `emitted` is the map
+    built from them, that map is copied and its values updated: the same keys in the same order,
+    without re-inserting (and re-hashing through every resize) 44 000 keys.
+    """
     chunks.sort(key=itemgetter(0))
-    out: dict[str, int] = {}
+    keys_now = [keys for _c, keys, _a in chunks]
+    out: dict[str, int]
+    if carried is not None:
+        before, carried.last_keys = carried.last_keys, keys_now
+        if (isinstance(emitted, dict) and len(before) == len(keys_now)
+                and all(a is b or a == b for a, b in zip(before, keys_now, strict=True))
+                and len(emitted) == sum(map(len, keys_now))):
+            out = emitted.copy()
+            for _c, keys, ages in chunks:
+                out.update(zip(keys, ages, strict=True))
+            return out
+    out = {}
     last = ""
     in_order = True
     for _c, keys, ages in chunks:
