@@ -112,9 +112,9 @@ def test_carried_short_follows_random_joins_and_leaves() -> None:
         assert carried.count == cold.count == sum(p.count for p in live.values())
         assert carried.groups.keys() == cold.groups.keys()
         for fp, g in carried.groups.items():
-            c = cold.groups[fp]
-            assert (g.count, g.deficit, g.clusters) == (c.count, c.deficit, c.clusters)
-            assert g.first() is c.first()
+            cg = cold.groups[fp]
+            assert (g.count, g.deficit, g.clusters) == (cg.count, cg.deficit, cg.clusters)
+            assert g.first() is cg.first()
             rows = [n for c in sorted(rows_of) for n in rows_of[c] if n.fp == fp]  # the cold ledgers' order
             assert g.first() is min(rows, key=lambda n: n.order)
             assert g.deficit == (sum(n.remaining[0] for n in rows),)
