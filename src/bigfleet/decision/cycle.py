@@ -28,7 +28,7 @@ from .order import acquire_all, credit_all, needs_by_cluster
 from .preempt import preempt_all
 from .reclaim import reclaim_all
 from .release import idle_releases
-from .scratch import CycleScratch, NeedRow
+from .scratch import CycleScratch, NeedRow, RowMaker
 from .types import Action, Decision, Drain, EngineConfig, EngineState, PhaseStats, Verdict
 from .verdicts import need_verdicts
 
@@ -346,6 +346,7 @@ class Engine:
         split = _Split({}, [], 0, 0, [])
         free: set[int] | None = None
         watch_check = _WatchCheck(ix)
+        maker = RowMaker(cy.dims)
         self.last_unmet_reused = 0
         for c in sorted(by_cluster):
             cn = by_cluster[c]
@@ -366,9 +367,9 @@ class Engine:
                 continue
             if free is None:
                 free = {ci for (_st, ci) in ix.pool}
-            rows_raw, folded, free_dep = normalize_rows(cn, ix, free)
+            rows_raw, folded, free_dep = normalize_rows(cn, ix, free, maker.same_of)
             split.folded += folded
-            rows = [NeedRow(nd, members, cy.dims) for nd, members in rows_raw]
+            rows = maker.rows(rows_raw)
             _age_parking(rows, state, config)
             split.fresh.append(_FreshCluster(c, cn, (base_key, cver, free_ver if free_dep else None), rows))
         for c in list(self._cache):

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from operator import attrgetter
 from typing import Any
 
 from bigfleet.needs import Need, Operator, Profile, Requirement, Resources
@@ -13,6 +14,8 @@ from .index import (
     CONFIGURING,
     Index,
 )
+
+_SAME_OF: Callable[[Profile], Requirement | None] = attrgetter("same")
 
 
 def _strip_same(p: Profile) -> Profile:
@@ -36,8 +39,9 @@ def normalize(needs: Sequence[Need], ix: Index, free_classes: set[int] | None = 
     return out, folded
 
 
-def normalize_rows(needs: Sequence[Need], ix: Index, free_classes: set[int] | None = None
-               ) -> tuple[list[tuple[Need, list[Need]]], int, bool]:
+def normalize_rows(needs: Sequence[Need], ix: Index, free_classes: set[int] | None = None,
+                   same_of: Callable[[Profile], Requirement | None] | None = None
+                   ) -> tuple[list[tuple[Need, list[Need]]], int, bool]:
     """Fold Same needs whose whole aggregate fits on one machine into plain needs.
 
     A gang that fits on one machine cannot be split across domains, so co-location is automatic;
@@ -46,7 +50,8 @@ def normalize_rows(needs: Sequence[Need], ix: Index, free_classes: set[int] | No
     profile covers the whole aggregate: one of its own cluster's bound machines, or any Idle or
     Speculative machine. Returns (need, original members) rows, the count of folded gangs, and
     whether any fold decision depended on the free pool (no own bound class settled it): only
-    then does a cached result of these needs go stale when the free pool changes.
+    then does a cached result of these needs go stale when the free pool changes. `same_of` (the
+    profile's Same requirement, memoised by the caller) saves a scan of each need's requirements.
     """
     out: list[tuple[Need, list[Need]]] = []
     groups: dict[tuple[str, str, Resources], list[Need]] = {}
@@ -58,9 +63,11 @@ def normalize_rows(needs: Sequence[Need], ix: Index, free_classes: set[int] | No
     memo: dict[tuple[str, tuple[Requirement, ...], Resources], bool] = {}
     folded = 0
     free_dependent = False
+    if same_of is None:
+        same_of = _SAME_OF
     for n in needs:
         p = n.profile
-        if p.same is None or n.aggregate_resources.is_zero():
+        if same_of(p) is None or n.aggregate_resources.is_zero():
             out.append((n, [n]))
             continue
         agg = n.aggregate_resources
