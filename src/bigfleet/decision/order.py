@@ -12,13 +12,14 @@ from collections.abc import Sequence
 from bigfleet.needs import Need, NeedsTable
 from bigfleet.needs.penalty import bucket_dollars
 
-from .acquire import acquire, acquire_spread
+from .acquire import Plan, acquire, acquire_plan, acquire_spread, take_plan
 from .credit import credit_plain
 from .same_domain import credit_same
 from .scratch import CycleScratch, NeedRow
 from .types import (
     EngineState,
 )
+from .vec import Vec
 
 
 def needs_by_cluster(needs: Sequence[Need] | NeedsTable) -> dict[str, tuple[Need, ...]]:
@@ -51,18 +52,22 @@ def credit_all(cy: CycleScratch, rows: list[NeedRow], state: EngineState, gangs_
 
 
 def acquire_all(cy: CycleScratch, rows: list[NeedRow]) -> None:
-    """Pass 2: acquire Idle then Speculative for what is left, in precedence order."""
+    """Pass 2: acquire Idle then Speculative for what is left, in precedence order. A plain need's
+    plan depends only on its requirements, MinUnit and interruption bucket (memoised by fingerprint)."""
+    plans: dict[tuple[str, Vec], Plan] = {}
     for n in rows:
         if not any(n.remaining) or n.parked:
             continue
-        penalty = bucket_dollars(n.ib)
-        classes = cy.eligible(n)
         if n.same is not None:
             if not n.same_domain:
                 continue
             dom_classes = next((cl for v, cl in cy.domains(n, n.same.key) if v == n.same_domain), [])
-            acquire(cy, n, dom_classes, penalty)
+            acquire(cy, n, dom_classes, bucket_dollars(n.ib))
         elif n.spreads:
-            acquire_spread(cy, n, classes, penalty)
+            acquire_spread(cy, n, cy.eligible(n), bucket_dollars(n.ib))
         else:
-            acquire(cy, n, classes, penalty)
+            pk = (n.fp, n.minu)
+            plan = plans.get(pk)
+            if plan is None:
+                plan = plans[pk] = acquire_plan(cy, cy.eligible(n), bucket_dollars(n.ib))
+            take_plan(cy, n, plan)
