@@ -23,7 +23,7 @@ from bigfleet.needs import Need, NeedsTable
 from .acquire import acquisition_actions
 from .index import IDLE, SPEC, Index, add_machine, build_index, free_supply, remove_machine
 from .ledgers import Ledgers, ledgers
-from .normalise import normalize_rows
+from .normalise import cluster_rows
 from .order import acquire_all, credit_all, needs_by_cluster
 from .preempt import preempt_all
 from .reclaim import reclaim_all
@@ -336,7 +336,7 @@ class Engine:
                config: EngineConfig) -> _Split:
         """Reuse every cluster whose cache entry still holds; normalise the others into rows.
 
-        A cached cluster depends on the free pool only through Same folding (see `normalize_rows`):
+        A cached cluster depends on the free pool only through Same folding (see `normalise.normalize_rows`):
         its key carries the free-pool version only then, so binds and releases elsewhere do not
         invalidate it.
         """
@@ -367,9 +367,8 @@ class Engine:
                 continue
             if free is None:
                 free = {ci for (_st, ci) in ix.pool}
-            rows_raw, folded, free_dep = normalize_rows(cn, ix, free, maker.same_of)
+            rows, folded, free_dep = cluster_rows(maker, cn, ix, free)
             split.folded += folded
-            rows = maker.rows(rows_raw)
             _age_parking(rows, state, config)
             split.fresh.append(_FreshCluster(c, cn, (base_key, cver, free_ver if free_dep else None), rows))
         for c in list(self._cache):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from operator import attrgetter
-from typing import Any
+from typing import Any, cast
 
 from bigfleet.needs import Need, Operator, Profile, Requirement, Resources
 
@@ -14,6 +14,7 @@ from .index import (
     CONFIGURING,
     Index,
 )
+from .scratch import NeedRow, ProfileInfo, RowMaker
 
 _SAME_OF: Callable[[Profile], Requirement | None] = attrgetter("same")
 
@@ -108,3 +109,18 @@ def normalize_rows(needs: Sequence[Need], ix: Index, free_classes: set[int] | No
         out.append((Need(gk[0], stripped[gk], agg.scale(len(members)), minu, min(arrivals) if arrivals else 0),
                     members))
     return out, folded, free_dependent
+
+
+def cluster_rows(maker: RowMaker, needs: Sequence[Need], ix: Index, free_classes: set[int]
+                 ) -> tuple[list[NeedRow], int, bool]:
+    """`normalize_rows` and the cluster's `NeedRow`s. A cluster without Same needs (most) folds
+    nothing: its rows are built straight from the needs, one profile lookup each."""
+    infos = maker.infos
+    got = [infos.get(nd.profile._fingerprint) for nd in needs]
+    if None in got:
+        got = [maker.info(nd.profile) for nd in needs]
+    profile_infos = cast(list[ProfileInfo], got)
+    if all(i[6] is None for i in profile_infos):
+        return maker.plain_rows(needs, profile_infos), 0, False
+    raw, folded, free_dep = normalize_rows(needs, ix, free_classes, maker.same_of)
+    return maker.rows(raw), folded, free_dep

@@ -5,7 +5,7 @@ Neither escapes one `decide` call; a cached cluster keeps its rows, never the sc
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from operator import attrgetter
 from typing import Any
 
@@ -144,9 +144,25 @@ class RowMaker:
         return got
 
     def rows(self, raw: list[tuple[Need, list[Need]]]) -> list[NeedRow]:
-        info, vec, zero = self.info, self.vec, self.zero
-        return [NeedRow(nd, members, info(nd.profile), vec(nd.aggregate_resources), vec(nd.min_unit), zero)
-                for nd, members in raw]
+        return [self.row(nd, members, self.info(nd.profile)) for nd, members in raw]
+
+    def row(self, nd: Need, members: list[Need], info: ProfileInfo) -> NeedRow:
+        return NeedRow(nd, members, info, self.vec(nd.aggregate_resources), self.vec(nd.min_unit), self.zero)
+
+    def plain_rows(self, needs: Sequence[Need], infos: list[ProfileInfo]) -> list[NeedRow]:
+        """One row per need (no folding), `infos` their profiles' infos: the per-need loop inlined."""
+        vecs, vec, zero = self.vecs, self.vec, self.zero
+        out = []
+        for nd, info in zip(needs, infos, strict=True):
+            agg, minu = nd.aggregate_resources, nd.min_unit
+            a = vecs.get(agg._items)
+            if a is None:
+                a = vec(agg)
+            mu = vecs.get(minu._items)
+            if mu is None:
+                mu = vec(minu)
+            out.append(NeedRow(nd, [nd], info, a, mu, zero))
+        return out
 
 
 class CycleScratch:
