@@ -33,6 +33,7 @@ from .types import Action, Decision, Drain, EngineConfig, EngineState, PhaseStat
 from .verdicts import need_verdicts
 
 _MACHINE_ID = attrgetter("id")
+_ORDER = attrgetter("order")
 #: what `decide` accepts as the fleet: an `Inventory`, or any iterable of machine records
 Fleet = Inventory | Iterable[Machine]
 #: a cached cluster is valid for ((dimensions, classes version), its bound-set version, the free-pool
@@ -264,7 +265,7 @@ class Engine:
         cy = CycleScratch(ix, self._dims(by_cluster), reservations)
         split = self._split(cy, by_cluster, state, config)
         work = [n for fc in split.fresh for n in fc.rows]
-        work.sort(key=lambda r: r.order)
+        work.sort(key=_ORDER)
         self._mark("phase1_prepare")
         credit_all(cy, work, state, config.gangs_credit_first)
         # clusters fully served by their own bound machines are cacheable

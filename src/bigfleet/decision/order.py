@@ -14,6 +14,7 @@ from bigfleet.needs.penalty import bucket_dollars
 
 from .acquire import Plan, acquire, acquire_plan, acquire_spread, take_plan
 from .credit import credit_plain
+from .index import CONFIGURED, CONFIGURING
 from .same_domain import credit_same
 from .scratch import CycleScratch, NeedRow
 from .types import (
@@ -44,10 +45,16 @@ def credit_all(cy: CycleScratch, rows: list[NeedRow], state: EngineState, gangs_
     """
     if gangs_first:
         rows = sorted(rows, key=lambda r: (-r.prio, r.same is None))  # stable: precedence order within
+    ix = cy.ix
+    bound, creating, reserved = ix.bound, ix.creating, ix.reserved_idle
     for n in rows:
         if n.same is not None:
             credit_same(cy, n, state.same_domains.get(n.park_key))
-        else:
+            continue
+        # A plain need of a cluster with nothing bound, and nothing in flight for its fingerprint,
+        # has nothing to credit (every need of a bootstrapping cluster): skip the call.
+        b = bound.get(n.cluster)
+        if (b and (b.get(CONFIGURED) or b.get(CONFIGURING))) or creating.get(n.fp) or reserved.get(n.fp):
             credit_plain(cy, n)
 
 
