@@ -23,7 +23,7 @@ from bigfleet.needs import Need, NeedsTable
 from .acquire import acquisition_actions
 from .index import IDLE, SPEC, Index, add_machine, build_index, free_supply, remove_machine
 from .ledgers import Ledgers, ledgers
-from .normalise import cluster_rows
+from .normalise import FoldMemo, cluster_rows
 from .order import acquire_all, credit_all, needs_by_cluster
 from .preempt import preempt_all
 from .reclaim import reclaim_all
@@ -348,6 +348,7 @@ class Engine:
         free: set[int] | None = None
         watch_check = _WatchCheck(ix)
         maker = RowMaker(cy.dims)
+        fold = FoldMemo()
         self.last_unmet_reused = 0
         for c in sorted(by_cluster):
             cn = by_cluster[c]
@@ -368,7 +369,7 @@ class Engine:
                 continue
             if free is None:
                 free = {ci for (_st, ci) in ix.pool}
-            rows, folded, free_dep = cluster_rows(maker, cn, ix, free)
+            rows, folded, free_dep = cluster_rows(maker, cn, ix, free, fold)
             split.folded += folded
             _age_parking(rows, state, config)
             split.fresh.append(_FreshCluster(c, cn, (base_key, cver, free_ver if free_dep else None), rows))
