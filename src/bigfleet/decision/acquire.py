@@ -201,8 +201,13 @@ def _group_take(cy: CycleScratch, n: NeedRow, state: int, group: list[MClass]) -
             heapq.heapreplace(h, (m_reclamation(nxt), nxt.id, ci))
         else:
             heapq.heappop(h)
-        rem = vsub(rem, alloc[ci])
-        if not any(rem):
+        a = alloc[ci]
+        for x, y in zip(rem, a, strict=True):
+            if x > y:
+                rem = vsub(rem, a)
+                break
+        else:  # the machine covers what was left (a single-machine need): no vector to build
+            rem = cy.zero
             break
     n.remaining = rem
 

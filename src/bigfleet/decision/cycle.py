@@ -269,14 +269,14 @@ class Engine:
         self._mark("phase1_prepare")
         credit_all(cy, work, state, config.gangs_credit_first)
         # clusters fully served by their own bound machines are cacheable
-        stable = {fc.cluster for fc in split.fresh
-                  if all(not any(n.remaining) and not n.reserved_credit and not n.parked for n in fc.rows)}
+        stable = _stable_clusters(split.fresh)
         self._mark("phase1_credit")
         acquire_all(cy, work)
+        ages = state.unmet_ages
         for n in work:
-            n.p1_remaining = n.remaining
-            if any(n.remaining):
-                n.unmet_age = state.unmet_ages.get(n.key, 0) + 1
+            rem = n.p1_remaining = n.remaining
+            if any(rem):
+                n.unmet_age = ages.get(n.key, 0) + 1
         self._mark("phase1_acquire")
         counters = {"victims_scanned": 0}
         preempts, _ = preempt_all(cy, work, config, counters)
@@ -497,6 +497,18 @@ def _age_unmet(cc: ClusterCache, state: EngineState) -> None:
         set_attr(fresh, "__dict__", fields)  # (as `build_fast`: one C-level copy, not a field merge)
         aged.append(fresh)
     cc.verdicts = aged
+
+
+def _stable_clusters(fresh: list[_FreshCluster]) -> set[str]:
+    """Clusters fully served by their own bound machines (cacheable); a loop, not a generator per cluster."""
+    out: set[str] = set()
+    for fc in fresh:
+        for n in fc.rows:
+            if n.reserved_credit or n.parked or any(n.remaining):
+                break
+        else:
+            out.add(fc.cluster)
+    return out
 
 
 def _age_parking(rows: list[NeedRow], state: EngineState, config: EngineConfig) -> None:
