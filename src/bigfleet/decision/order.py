@@ -8,6 +8,7 @@ upstream broker's "as if one pass in priority order".
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 from bigfleet.needs import Need, NeedsTable
 from bigfleet.needs.penalty import bucket_dollars
@@ -36,6 +37,9 @@ def needs_by_cluster(needs: Sequence[Need] | NeedsTable) -> dict[str, tuple[Need
     return {c: tuple(v) for c, v in out.items()}
 
 
+_SAME = attrgetter("same")
+
+
 def credit_all(cy: CycleScratch, rows: list[NeedRow], state: EngineState, gangs_first: bool = False) -> None:
     """Pass 1: credit bound supply (and in-flight reservations) in precedence order.
 
@@ -43,7 +47,7 @@ def credit_all(cy: CycleScratch, rows: list[NeedRow], state: EngineState, gangs_
     need can use any matching machine, a gang only the ones in its domain, so letting the plain
     need go first can take a gang's own machines and make it re-acquire elsewhere (need swapping).
     """
-    if gangs_first:
+    if gangs_first and any(map(_SAME, rows)):  # (rows come in precedence order: without gangs, a no-op)
         rows = sorted(rows, key=lambda r: (-r.prio, r.same is None))  # stable: precedence order within
     ix = cy.ix
     bound, creating, reserved = ix.bound, ix.creating, ix.reserved_idle
