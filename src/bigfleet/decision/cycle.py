@@ -23,16 +23,17 @@ from bigfleet.needs import Need, NeedsTable
 from .acquire import acquisition_actions
 from .index import IDLE, SPEC, Index, add_machine, build_index, free_supply, remove_machine
 from .ledgers import Ledgers, ledgers
-from .normalise import normalize_rows
+from .normalise import FoldMemo, cluster_rows
 from .order import acquire_all, credit_all, needs_by_cluster
 from .preempt import preempt_all
 from .reclaim import reclaim_all
 from .release import idle_releases
-from .scratch import CycleScratch, NeedRow
+from .scratch import CycleScratch, NeedRow, RowMaker
 from .types import Action, Decision, Drain, EngineConfig, EngineState, PhaseStats, Verdict
 from .verdicts import need_verdicts
 
 _MACHINE_ID = attrgetter("id")
+_ORDER = attrgetter("order")
 #: what `decide` accepts as the fleet: an `Inventory`, or any iterable of machine records
 Fleet = Inventory | Iterable[Machine]
 #: a cached cluster is valid for ((dimensions, classes version), its bound-set version, the free-pool
@@ -264,18 +265,18 @@ class Engine:
         cy = CycleScratch(ix, self._dims(by_cluster), reservations)
         split = self._split(cy, by_cluster, state, config)
         work = [n for fc in split.fresh for n in fc.rows]
-        work.sort(key=lambda r: r.order)
+        work.sort(key=_ORDER)
         self._mark("phase1_prepare")
         credit_all(cy, work, state, config.gangs_credit_first)
         # clusters fully served by their own bound machines are cacheable
-        stable = {fc.cluster for fc in split.fresh
-                  if all(not any(n.remaining) and not n.reserved_credit and not n.parked for n in fc.rows)}
+        stable = _stable_clusters(split.fresh)
         self._mark("phase1_credit")
         acquire_all(cy, work)
+        ages = state.unmet_ages
         for n in work:
-            n.p1_remaining = n.remaining
-            if any(n.remaining):
-                n.unmet_age = state.unmet_ages.get(n.key, 0) + 1
+            rem = n.p1_remaining = n.remaining
+            if any(rem):
+                n.unmet_age = ages.get(n.key, 0) + 1
         self._mark("phase1_acquire")
         counters = {"victims_scanned": 0}
         preempts, _ = preempt_all(cy, work, config, counters)
@@ -336,7 +337,7 @@ class Engine:
                config: EngineConfig) -> _Split:
         """Reuse every cluster whose cache entry still holds; normalise the others into rows.
 
-        A cached cluster depends on the free pool only through Same folding (see `normalize_rows`):
+        A cached cluster depends on the free pool only through Same folding (see `normalise.normalize_rows`):
         its key carries the free-pool version only then, so binds and releases elsewhere do not
         invalidate it.
         """
@@ -346,6 +347,8 @@ class Engine:
         split = _Split({}, [], 0, 0, [])
         free: set[int] | None = None
         watch_check = _WatchCheck(ix)
+        maker = RowMaker(cy.dims)
+        fold = FoldMemo()
         self.last_unmet_reused = 0
         for c in sorted(by_cluster):
             cn = by_cluster[c]
@@ -366,9 +369,8 @@ class Engine:
                 continue
             if free is None:
                 free = {ci for (_st, ci) in ix.pool}
-            rows_raw, folded, free_dep = normalize_rows(cn, ix, free)
+            rows, folded, free_dep = cluster_rows(maker, cn, ix, free, fold)
             split.folded += folded
-            rows = [NeedRow(nd, members, cy.dims) for nd, members in rows_raw]
             _age_parking(rows, state, config)
             split.fresh.append(_FreshCluster(c, cn, (base_key, cver, free_ver if free_dep else None), rows))
         for c in list(self._cache):
@@ -495,6 +497,18 @@ def _age_unmet(cc: ClusterCache, state: EngineState) -> None:
         set_attr(fresh, "__dict__", fields)  # (as `build_fast`: one C-level copy, not a field merge)
         aged.append(fresh)
     cc.verdicts = aged
+
+
+def _stable_clusters(fresh: list[_FreshCluster]) -> set[str]:
+    """Clusters fully served by their own bound machines (cacheable); a loop, not a generator per cluster."""
+    out: set[str] = set()
+    for fc in fresh:
+        for n in fc.rows:
+            if n.reserved_credit or n.parked or any(n.remaining):
+                break
+        else:
+            out.add(fc.cluster)
+    return out
 
 
 def _age_parking(rows: list[NeedRow], state: EngineState, config: EngineConfig) -> None:
