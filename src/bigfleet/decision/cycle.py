@@ -21,7 +21,7 @@ from bigfleet.machine.state import MachineState
 from bigfleet.needs import Need, NeedsTable
 
 from .acquire import acquisition_actions
-from .index import IDLE, SPEC, Index, add_machine, build_index, free_supply, remove_machine
+from .index import IDLE, SPEC, Index, apply_changes, build_index, free_supply
 from .ledgers import Ledgers, ledgers
 from .normalise import normalize_rows
 from .order import acquire_all, credit_all, needs_by_cluster
@@ -60,8 +60,8 @@ class ClusterCache:
     be reused while its inputs are unchanged: every need met by its own bound machines, or (with a
     `watch`) the unmet ones provably unable to get anything anywhere."""
 
-    __slots__ = ("credited", "domains", "drains", "folded", "gangs", "hconf", "held", "key", "needs", "rows",
-                 "unmet_rows", "verdict_rows", "verdicts", "watch")
+    __slots__ = ("credited", "domains", "drains", "folded", "gangs", "hconf", "held", "key", "needs", "plain",
+                 "rows", "unmet_rows", "verdict_rows", "verdicts", "watch")
 
     def __init__(self, key: CacheKey, needs: tuple[Need, ...], rows: list[NeedRow], held: dict[str, NeedRow],
                  verdicts: list[Verdict], domains: dict[str, str], hconf: int, watch: UnmetWatch | None) -> None:
@@ -81,6 +81,19 @@ class ClusterCache:
         self.credited = sum(n.credited for n in rows)
         #: what `_still_stable` compares against the carried state (Same rows only; usually empty)
         self.gangs = tuple((n.park_key, n.park_age, n.same_domain) for n in rows if n.same is not None)
+        #: no Same need (whose folding depends on which classes the cluster holds), every need met
+        self.plain = watch is None and all(nd.profile.same is None for nd in needs)
+
+    def keep_if_unheld_lost(self, ix: Index, cluster: str, cver: int) -> None:
+        """Follow the cluster's new version when this sync only removed machines none of its needs
+        held: crediting takes, per keep-ordered stream, a prefix of the machines still unheld, so
+        one it never reached changes nothing. Only the reclaim drains (counts changed) are stale."""
+        log = ix.bound_log.get(cluster)
+        if (not self.plain or log is None or log.added or log.before != self.key[1]
+                or not self.held.keys().isdisjoint(map(_MACHINE_ID, log.removed))):
+            return
+        self.key = (self.key[0], cver, self.key[2])
+        self.drains = None
 
 
 @dataclass
@@ -141,6 +154,8 @@ class Engine:
     # --- inventory → index -----------------------------------------------------------------------
 
     def _sync(self, inventory: Fleet) -> Index:
+        if self._ix is not None:
+            self._ix.bound_log.clear()  # (what `_split` reads is this sync's changes only)
         gen = getattr(inventory, "generation", None)
         if self._ix is not None and inventory is self._src and gen is not None and gen == self._gen:
             self.last_index_changes = 0
@@ -169,12 +184,11 @@ class Engine:
             return self._rebuild(inventory, ms, gen)
         ix = self._ix
         assert ix is not None
+        apply_changes(ix, gone, added_objs)
         for old in gone:
-            remove_machine(ix, old)
             if by_mid.get(old.id) is old:
                 del by_mid[old.id]
         for m in added_objs:
-            add_machine(ix, m)
             by_mid[m.id] = m
         self._src, self._gen = inventory, gen
         self.last_index_changes = len(gone) + len(added_objs)
@@ -196,11 +210,9 @@ class Engine:
             return False
         ix = self._ix
         assert ix is not None
-        for old in replaced:
-            remove_machine(ix, old)
-        for m in reversed(added):
-            by_mid[m.id] = m
-            add_machine(ix, m)
+        added.reverse()
+        apply_changes(ix, replaced, added)
+        by_mid.update(zip(map(_MACHINE_ID, added), added, strict=True))
         self.last_index_changes = len(added) + len(replaced)
         return True
 
@@ -352,6 +364,8 @@ class Engine:
             split.needs_in += len(cn)
             cver = ix.cluster_ver.get(c, 0)
             cc = self._cache.get(c)
+            if cc is not None and cc.key[1] != cver:
+                cc.keep_if_unheld_lost(ix, c, cver)
             if (cc is not None and cc.key[0] == base_key and cc.key[1] == cver
                     and (cc.key[2] is None or cc.key[2] == free_ver)
                     and (cc.needs is cn or cc.needs == cn) and (not cc.gangs or _still_stable(cc, state))
