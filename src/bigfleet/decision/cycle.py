@@ -12,7 +12,8 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
+from itertools import islice
+from operator import attrgetter, is_
 from typing import Literal
 
 from bigfleet.machine.inventory import Inventory
@@ -200,19 +201,16 @@ class Engine:
         baseline. Returns False (caller does a full diff) when the counts do not add up, e.g. after a
         removal; a periodic full diff (`full_diff_every`) guards against anything else."""
         by_mid = self._by_mid
-        added: list[Machine] = []
-        for m in reversed(ms):
-            if by_mid.get(m.id) is m:
-                break
-            added.append(m)
-        replaced = [old for m in added if (old := by_mid.get(m.id)) is not None]
-        if len(ms) != len(by_mid) - len(replaced) + len(added) or len({m.id for m in added}) != len(added):
+        added, ids, olds = _new_tail(ms, by_mid)
+        replaced = [old for old in olds if old is not None]
+        if len(ms) != len(by_mid) - len(replaced) + len(added) or len(set(ids)) != len(ids):
             return False
         ix = self._ix
         assert ix is not None
         added.reverse()
+        ids.reverse()
         apply_changes(ix, replaced, added)
-        by_mid.update(zip(map(_MACHINE_ID, added), added, strict=True))
+        by_mid.update(zip(ids, added, strict=True))
         self.last_index_changes = len(added) + len(replaced)
         return True
 
@@ -450,6 +448,30 @@ class Engine:
         lowest = min((m.assignment.priority for m in ix.configured_by_class.get(ci, ())), default=_NO_VICTIM)
         self._lowest_prio[ci] = (ver, lowest)
         return lowest
+
+
+def _new_tail(ms: Sequence[Machine], by_mid: Mapping[str, Machine]
+              ) -> tuple[list[Machine], list[str], list[Machine | None]]:
+    """The records at the end of `ms` that are not the baseline's (newest first), their ids and the
+    baseline's records of those ids, found in growing chunks with C-level passes (a Python step per
+    record cost ~1.5 µs: 40 ms a wave)."""
+    tail = reversed(ms)
+    added: list[Machine] = []
+    ids: list[str] = []
+    olds: list[Machine | None] = []
+    size = 16
+    while True:
+        chunk: list[Machine] = list(islice(tail, size))
+        cids = list(map(_MACHINE_ID, chunk))
+        prev = list(map(by_mid.get, cids))
+        known = list(map(is_, prev, chunk))
+        stop = known.index(True) if True in known else len(chunk)
+        added += chunk[:stop]
+        ids += cids[:stop]
+        olds += prev[:stop]
+        if stop < size:
+            return added, ids, olds
+        size *= 2
 
 
 #: above every priority: a class without Configured machines has no victim for anyone

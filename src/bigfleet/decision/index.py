@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import compress, groupby
-from operator import attrgetter
+from operator import attrgetter, is_
 from typing import Any, ClassVar
 
 from bigfleet.machine.record import Machine, MachineShape
@@ -109,12 +109,12 @@ class Index:
     #: class idx → bumped when its CONFIGURED set changes (Phase-2 victim order cache)
     configured_ver: dict[int, int] = field(default_factory=dict)
     victims: dict[int, VictimOrders] = field(default_factory=dict)
-    #: class idx → CONFIGURED machines of every cluster (Phase-2 victim candidates), id order
-    configured_by_class: dict[int, list[Machine]] = field(default_factory=dict)
+    _configured: dict[int, list[Machine]] = field(default_factory=dict)
     configured_count: dict[str, int] = field(default_factory=dict)
-    #: class idx → DRAINING machines, id order (capacity on its way back to the pool: Phase 2
-    #: counts it before choosing another victim)
-    draining_by_class: dict[int, list[Machine]] = field(default_factory=dict)
+    _draining: dict[int, list[Machine]] = field(default_factory=dict)
+    #: class idx → batched changes (add?, records) not yet applied to `_configured` / `_draining`
+    _configured_pending: dict[int, list[tuple[bool, list[Machine]]]] = field(default_factory=dict)
+    _draining_pending: dict[int, list[tuple[bool, list[Machine]]]] = field(default_factory=dict)
     #: capacity type → IDLE machines (release candidates)
     idle_by_type: dict[int, list[Machine]] = field(default_factory=dict)
     class_of_shape: dict[MachineShape, int] = field(default_factory=dict)
@@ -124,6 +124,24 @@ class Index:
     bound_log: dict[str, BoundDelta] = field(default_factory=dict)
     total: int = 0
     _matched: dict[tuple[Requirement, ...], list[MClass]] = field(default_factory=dict)
+
+    @property
+    def configured_by_class(self) -> dict[int, list[Machine]]:
+        """class idx → CONFIGURED machines of every cluster (Phase-2 victim candidates), id order.
+
+        Applied on first read: only short needs read it, so a wave of drains (every machine leaving
+        this list) costs nothing here until a cycle needs victims, and then one pass per class."""
+        if self._configured_pending:
+            _flush(self._configured_pending, self._configured, False)
+        return self._configured
+
+    @property
+    def draining_by_class(self) -> dict[int, list[Machine]]:
+        """class idx → DRAINING machines, id order (capacity on its way back to the pool: Phase 2
+        counts it before choosing another victim). Applied on first read, as `configured_by_class`."""
+        if self._draining_pending:
+            _flush(self._draining_pending, self._draining, True)
+        return self._draining
 
     def matched_classes(self, reqs: tuple[Requirement, ...]) -> list[MClass]:
         """Classes whose attributes pass every requirement (cached per requirement tuple)."""
@@ -448,21 +466,43 @@ def _file_many(ix: Index, ms: Iterable[Machine], add: bool) -> list[Machine]:
                 continue
             if m.cluster:
                 bound.setdefault((m.cluster, int(st), ci), []).append(m)
-            if st is S.CONFIGURED:
+            elif st is S.CONFIGURED:
                 conf.setdefault(ci, []).append(m)
         else:
             rest.append(m)
     ix.total += n if add else -n
+    for (_c, sti, ci), grp in bound.items():  # (the class-wide Configured lists get the bound ones too)
+        if sti == CONFIGURED:
+            conf.setdefault(ci, []).extend(grp)
     _file_bound(ix, bound, add)
     for ci, grp in conf.items():
-        _change_many(ix.configured_by_class.setdefault(ci, []), grp, _ID, add, True)
+        _defer(ix._configured_pending, ci, grp, add)
         ix.configured_ver[ci] = ix.configured_ver.get(ci, 0) + 1
     for ci, grp in drain.items():
-        lst = ix.draining_by_class.setdefault(ci, [])
-        _change_many(lst, grp, _ID, add, True)
-        if not lst:
-            del ix.draining_by_class[ci]
+        _defer(ix._draining_pending, ci, grp, add)
     return rest
+
+
+def _defer(pending: dict[int, list[tuple[bool, list[Machine]]]], ci: int, grp: list[Machine], add: bool) -> None:
+    """Queue a change of one class list (runs of the same kind merge: one pass for many syncs)."""
+    ops = pending.get(ci)
+    if ops is None:
+        pending[ci] = [(add, grp)]
+    elif ops[-1][0] == add:
+        ops[-1][1].extend(grp)
+    else:
+        ops.append((add, grp))
+
+
+def _flush(pending: dict[int, list[tuple[bool, list[Machine]]]], lists: dict[int, list[Machine]],
+           drop_empty: bool) -> None:
+    for ci, ops in pending.items():
+        lst = lists.setdefault(ci, [])
+        for add, grp in ops:
+            _change_many(lst, grp, _ID, add, True)
+        if drop_empty and not lst:
+            del lists[ci]
+    pending.clear()
 
 
 def _file_bound(ix: Index, groups: dict[_BoundKey, list[Machine]], add: bool) -> None:
@@ -484,26 +524,46 @@ def _file_bound(ix: Index, groups: dict[_BoundKey, list[Machine]], add: bool) ->
 
 def _change_many(lst: list[Machine], grp: list[Machine], key: Callable[[Machine], Any], add: bool,
                  c_key: bool) -> None:
-    """Insert or remove `grp` in `lst` (sorted by `key`): a bisect each when few, else one pass
-    (~0.12 µs a machine). `c_key`: `key` is C-level, so a bisect is ~1.4 µs; with a Python key each
-    probe alone costs ~0.5 µs."""
-    k = len(grp)
-    few = k * 12 < len(lst) if c_key else k * 4 * len(lst).bit_length() < len(lst)
-    if few:
-        op = _insort if add else _remove
+    """Insert or remove `grp` in `lst` (sorted by `key`; `c_key`: `key` is C-level, a bisect ~1 µs)."""
+    if not add:
+        _remove_many(lst, grp, key, c_key)
+    elif len(grp) * (12 if c_key else 4 * len(lst).bit_length()) < len(lst):
         for m in grp:
-            op(lst, m, key)
-    elif add:
+            _insort(lst, m, key)
+    else:  # many: one C-level re-sort (id order, then keep order by a stable penalty sort)
         lst.extend(grp)
         lst.sort(key=_ID)
         if not c_key:
             _sort_keep_from_id(lst)
-    else:
+
+
+def _remove_many(lst: list[Machine], grp: list[Machine], key: Callable[[Machine], Any], c_key: bool) -> None:
+    """Remove `grp` from `lst`: a C-level bisect each in an id-ordered list (~1 µs); else a bisect
+    with the Python key each (~0.5 µs a probe) for a few out of a long list, or one filtering pass
+    (~0.13 µs an element)."""
+    k, size = len(grp), len(lst)
+    if not c_key and k * (1 + size.bit_length()) * 4 < size:
+        for m in grp:
+            _remove(lst, m, key)
+        return
+    if not c_key or k * 10 > size:
         ids = set(map(id, grp))
-        kept = [x for x in lst if id(x) not in ids]
-        if len(kept) != len(lst) - len(grp):
-            raise KeyError(grp[0].id)
-        lst[:] = kept
+        # a reclaim wave drains each keep-ordered list from its end: try the tail first
+        lo = max(0, size - 2 * k - 8)
+        kept = [x for x in lst[lo:] if id(x) not in ids]
+        if len(kept) != size - lo - k:
+            lo = 0
+            kept = [x for x in lst if id(x) not in ids]
+            if len(kept) != size - k:
+                raise KeyError(grp[0].id)
+        lst[lo:] = kept
+        return
+    pos = [bisect.bisect_left(lst, key(m), key=key) for m in grp]
+    if max(pos) >= size or not all(map(is_, map(lst.__getitem__, pos), grp)):
+        raise KeyError(grp[0].id)
+    pos.sort(reverse=True)
+    for i in pos:
+        del lst[i]
 
 
 def free_supply(ix: Index, busy: Iterable[str], by_id: Mapping[str, Machine]
