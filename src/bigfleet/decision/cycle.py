@@ -91,7 +91,7 @@ class ClusterCache:
         one it never reached changes nothing. Only the reclaim drains (counts changed) are stale."""
         log = ix.bound_log.get(cluster)
         if (not self.plain or log is None or log.added or log.before != self.key[1]
-                or not self.held.keys().isdisjoint(map(_MACHINE_ID, log.removed))):
+                or not self.held.keys().isdisjoint(log.removed)):
             return
         self.key = (self.key[0], cver, self.key[2])
         self.drains = None

@@ -75,14 +75,14 @@ class MClass:
 
 class BoundDelta:
     """What one inventory sync did to a cluster's CONFIGURED/CONFIGURING lists: its `cluster_ver`
-    before the sync, the records removed, how many were added. The engine keeps a cached cluster
+    before the sync, the ids of the records removed, how many were added. The engine keeps a cached cluster
     whose only change was losing machines none of its needs held (see `Engine._split`)."""
 
     __slots__ = ("added", "before", "removed")
 
     def __init__(self, before: int) -> None:
         self.before = before
-        self.removed: list[Machine] = []
+        self.removed: list[str] = []
         self.added = 0
 
 
@@ -396,7 +396,7 @@ def _apply(ix: Index, m: Machine, ci: int, add: bool) -> None:
             op(by_class.setdefault(ci, []), m, keep_key)
             if not by_class[ci]:
                 del by_class[ci]
-            _log_bound(ix, cluster, [] if add else [m], d)
+            _log_bound(ix, cluster, [] if add else [m.id], d)
         if st is S.CONFIGURED:
             op(ix.configured_by_class.setdefault(ci, []), m, _ID)
             ix.configured_ver[ci] = ix.configured_ver.get(ci, 0) + 1
@@ -417,7 +417,7 @@ def _apply(ix: Index, m: Machine, ci: int, add: bool) -> None:
             op(ix.creating.setdefault(fp, []), m, _ID)
 
 
-def _log_bound(ix: Index, cluster: str, removed: list[Machine], added: int) -> None:
+def _log_bound(ix: Index, cluster: str, removed: list[str], added: int) -> None:
     """Bump the cluster's version and note the change in `bound_log` (``added`` < 0: removals only)."""
     ver = ix.cluster_ver.get(cluster, 0)
     log = ix.bound_log.get(cluster)
@@ -452,6 +452,7 @@ def _file_many(ix: Index, ms: Iterable[Machine], add: bool) -> list[Machine]:
     conf: dict[int, list[Machine]] = {}
     drain: dict[int, list[Machine]] = {}
     cls_of: dict[int, int] = {}  # id(shape) → class (the batch holds the shapes, so ids stay theirs)
+    gone_ids: dict[str, list[str]] = {}  # cluster → ids of bound records removed (read while the record is hot)
     n = 0
     for m in ms:
         st = m.state
@@ -466,15 +467,19 @@ def _file_many(ix: Index, ms: Iterable[Machine], add: bool) -> list[Machine]:
                 continue
             if m.cluster:
                 bound.setdefault((m.cluster, int(st), ci), []).append(m)
+                if not add:
+                    gone_ids.setdefault(m.cluster, []).append(m.id)
             elif st is S.CONFIGURED:
                 conf.setdefault(ci, []).append(m)
         else:
             rest.append(m)
     ix.total += n if add else -n
+    _file_bound(ix, bound, add)
+    for cluster, ids in gone_ids.items():
+        ix.bound_log[cluster].removed.extend(ids)
     for (_c, sti, ci), grp in bound.items():  # (the class-wide Configured lists get the bound ones too)
         if sti == CONFIGURED:
             conf.setdefault(ci, []).extend(grp)
-    _file_bound(ix, bound, add)
     for ci, grp in conf.items():
         _defer(ix._configured_pending, ci, grp, add)
         ix.configured_ver[ci] = ix.configured_ver.get(ci, 0) + 1
@@ -513,7 +518,7 @@ def _file_bound(ix: Index, groups: dict[_BoundKey, list[Machine]], add: bool) ->
         _change_many(lst, grp, keep_key, add, False)
         if not lst:
             del by_class[ci]
-        _log_bound(ix, cluster, [] if add else grp, len(grp) if add else -len(grp))
+        _log_bound(ix, cluster, [], len(grp) if add else -len(grp))
         if sti == CONFIGURED:
             left = cc.get(cluster, 0) + (len(grp) if add else -len(grp))
             if left:

@@ -7,7 +7,7 @@ import heapq
 import math
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
-from itertools import chain
+from itertools import chain, filterfalse
 from operator import attrgetter
 from typing import Any, Protocol
 
@@ -76,14 +76,13 @@ def _reclaim_ids(cy: CycleScratch, by_class: dict[int, list[Machine]], held: Map
             segs.append(lst[lo:hi])
             if lo:
                 heapq.heappush(heap, (m_reclamation(lst[lo - 1]), neg_price, ci, lo))
-        if len(segs) == 1:
-            seg = segs[0]
-            seg.reverse()
-        else:
-            seg = sorted(chain.from_iterable(segs), key=_MACHINE_ID, reverse=True)
-        ids = list(map(_MACHINE_ID, seg))
-        if held or exclude:
-            ids = [i for i in ids if i not in held and i not in exclude]
+        # ids first (one touch per record), held ones out, and only the rest sorted (id desc)
+        ids = list(map(_MACHINE_ID, chain.from_iterable(segs) if len(segs) > 1 else segs[0]))
+        if held:  # (C-level filters: a Python test per id cost ~0.4 µs)
+            ids = list(filterfalse(held.__contains__, ids))
+        if exclude:
+            ids = list(filterfalse(exclude.__contains__, ids))
+        ids.sort(reverse=True)
         out.extend(ids[: limit - len(out)])
     return out
 
