@@ -441,45 +441,52 @@ def apply_changes(ix: Index, gone: Iterable[Machine], new: Iterable[Machine]) ->
         add_machine(ix, m)
 
 
-_BoundKey = tuple[str, int, int]
-
-
 def _file_many(ix: Index, ms: Iterable[Machine], add: bool) -> list[Machine]:
     """Group the CONFIGURED/CONFIGURING/DRAINING records by the lists they belong to and apply each
     group at once; returns the records of other states (for `_apply`)."""
     rest: list[Machine] = []
-    bound: dict[_BoundKey, list[Machine]] = {}
+    bound: dict[tuple[str, MachineState, int], list[Machine]] = {}
     conf: dict[int, list[Machine]] = {}
     drain: dict[int, list[Machine]] = {}
     cls_of: dict[int, int] = {}  # id(shape) → class (the batch holds the shapes, so ids stay theirs)
     gone_ids: dict[str, list[str]] = {}  # cluster → ids of bound records removed (read while the record is hot)
-    n = 0
-    for m in ms:
+    configured, configuring, draining = S.CONFIGURED, S.CONFIGURING, S.DRAINING
+    for m in ms:  # (~1 µs a record: locals only, one dict step per list)
         st = m.state
         sh = m.shape
         ci = cls_of.get(id(sh))
         if ci is None:  # (new classes are numbered in the records' order, as one by one)
             ci = cls_of[id(sh)] = _class_idx(ix, sh) if add else ix.class_of_shape[sh]
-        if st is S.CONFIGURED or st is S.CONFIGURING or st is S.DRAINING:
-            n += 1
-            if st is S.DRAINING:
-                drain.setdefault(ci, []).append(m)
-                continue
-            if m.cluster:
-                bound.setdefault((m.cluster, int(st), ci), []).append(m)
+        if st is draining:
+            grp = drain.get(ci)
+            if grp is None:
+                drain[ci] = [m]
+            else:
+                grp.append(m)
+        elif st is configured or st is configuring:
+            cluster = m.cluster
+            if cluster:
+                k = (cluster, st, ci)
+                grp = bound.get(k)
+                if grp is None:
+                    bound[k] = [m]
+                else:
+                    grp.append(m)
                 if not add:
-                    gone_ids.setdefault(m.cluster, []).append(m.id)
-            elif st is S.CONFIGURED:
+                    gone_ids.setdefault(cluster, []).append(m.id)
+            elif st is configured:
                 conf.setdefault(ci, []).append(m)
         else:
             rest.append(m)
-    ix.total += n if add else -n
     _file_bound(ix, bound, add)
     for cluster, ids in gone_ids.items():
         ix.bound_log[cluster].removed.extend(ids)
-    for (_c, sti, ci), grp in bound.items():  # (the class-wide Configured lists get the bound ones too)
-        if sti == CONFIGURED:
+    for (_c, st, ci), grp in bound.items():  # (the class-wide Configured lists get the bound ones too)
+        if st is configured:
             conf.setdefault(ci, []).extend(grp)
+    n = sum(map(len, bound.values())) + sum(map(len, drain.values()))
+    n += sum(1 for grp in conf.values() for m in grp if not m.cluster)
+    ix.total += n if add else -n
     for ci, grp in conf.items():
         _defer(ix._configured_pending, ci, grp, add)
         ix.configured_ver[ci] = ix.configured_ver.get(ci, 0) + 1
@@ -510,9 +517,10 @@ def _flush(pending: dict[int, list[tuple[bool, list[Machine]]]], lists: dict[int
     pending.clear()
 
 
-def _file_bound(ix: Index, groups: dict[_BoundKey, list[Machine]], add: bool) -> None:
+def _file_bound(ix: Index, groups: dict[tuple[str, MachineState, int], list[Machine]], add: bool) -> None:
     cc = ix.configured_count
-    for (cluster, sti, ci), grp in groups.items():
+    for (cluster, st, ci), grp in groups.items():
+        sti = int(st)
         by_class = ix.bound.setdefault(cluster, {}).setdefault(sti, {})
         lst = by_class.setdefault(ci, [])
         _change_many(lst, grp, keep_key, add, False)
