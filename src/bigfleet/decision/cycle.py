@@ -27,7 +27,7 @@ from .ledgers import Ledgers, ledgers
 from .normalise import normalize_rows
 from .order import acquire_all, credit_all, needs_by_cluster
 from .preempt import preempt_all
-from .reclaim import reclaim_all
+from .reclaim import ReclaimWalk, reclaim_all
 from .release import idle_releases
 from .scratch import CycleScratch, NeedRow
 from .types import Action, Decision, Drain, EngineConfig, EngineState, PhaseStats, Verdict
@@ -62,7 +62,7 @@ class ClusterCache:
     `watch`) the unmet ones provably unable to get anything anywhere."""
 
     __slots__ = ("credited", "domains", "drains", "folded", "gangs", "hconf", "held", "key", "needs", "plain",
-                 "rows", "unmet_rows", "verdict_rows", "verdicts", "watch")
+                 "rows", "unmet_rows", "verdict_rows", "verdicts", "walk", "watch")
 
     def __init__(self, key: CacheKey, needs: tuple[Need, ...], rows: list[NeedRow], held: dict[str, NeedRow],
                  verdicts: list[Verdict], domains: dict[str, str], hconf: int, watch: UnmetWatch | None) -> None:
@@ -76,6 +76,7 @@ class ClusterCache:
         self.held = held
         self.verdicts = verdicts
         self.drains: ReclaimMemo | None = None
+        self.walk: ReclaimWalk | None = None
         self.domains = domains
         self.folded = sum(1 for v in verdicts if v.folded_into)
         self.hconf = hconf
