@@ -10,7 +10,7 @@ import random
 import pytest
 
 from bigfleet.decision import Configure, Create, Drain, Engine, EngineConfig, EngineState, decide
-from bigfleet.decision.index import Index, build_index, m_reclamation
+from bigfleet.decision.index import CONFIGURED, Index, build_index, m_reclamation
 from bigfleet.decision.reclaim import excess_drains
 from bigfleet.decision.scratch import CycleScratch
 from bigfleet.machine import Inventory, Machine
@@ -150,3 +150,71 @@ def test_reclaim_order_equals_the_plain_sort(seed: int) -> None:
     assert total == len(left)
     assert all(d.cluster_id == "a" and d.grace_period_seconds == 30 and d.reason == "reclaim" for d in got)
     assert got == [Drain(m.id, "a", 30, 0, "reclaim") for m in left[:limit]]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_reclaim_walk_resumes_only_while_valid(seed: int) -> None:
+    """Stable clusters draining a few machines a cycle, the reclaim walk resumed from the last cycle;
+    sometimes a machine the walk never reached leaves (the walk must start over) or a held one does."""
+    rnd = random.Random(5000 + seed)
+    ms = [machine(f"m{i:04d}", S.CONFIGURED, cluster=rnd.choice(CLUSTERS[:2]), itype=rnd.choice(TYPES)[0],
+                  price=rnd.choice((1.0, 2.0)), res=cpu(4), zone=rnd.choice(("z1", "z2", "z3")), prio=100,
+                  rpd=rnd.choice(STAMPS)) for i in range(rnd.randint(150, 300))]
+    inv = Inventory(ms)
+    table = NeedsTable()
+    _demand(rnd, table)
+    cfg = EngineConfig(reclaim_cap_fraction=rnd.choice((0.02, 0.05)))
+    state = EngineState(first_rollup=frozenset(CLUSTERS))
+    eng = Engine()
+    for _ in range(10):
+        got = eng.decide(table, inv, NOW, state, cfg)
+        want = decide(table, Inventory(list(inv)), NOW, state, cfg)
+        assert got.actions == want.actions
+        assert got.state == want.state
+        _check_walks(eng)
+        state = got.state
+        for a in got.actions:
+            if isinstance(a, Drain) and rnd.random() < 0.9:
+                inv.transition(a.machine_id, S.DRAINING, NOW)
+        if rnd.random() < 0.4:
+            inv.transition(rnd.choice([m for m in inv if m.state is S.CONFIGURED]).id, S.DRAINING, NOW)
+
+
+def _check_walks(eng: Engine) -> None:
+    """Every kept reclaim walk is a prefix of its cluster's reclaim order as of now."""
+    ix = eng._ix
+    assert ix is not None
+    for c, cc in eng._cache.items():
+        walk = cc.walk
+        if walk is None or walk.ver != ix.cluster_ver.get(c, 0):
+            continue
+        left = [m for lst in ix.bound.get(c, {}).get(CONFIGURED, {}).values() for m in lst if m.id not in cc.held]
+        left.sort(key=lambda m: (-m_reclamation(m), m.shape.price_per_hour, m.id), reverse=True)
+        assert walk.ids == [m.id for m in left[: len(walk.ids)]]
+
+
+def test_reclaim_walk_starts_over_when_an_unexplored_machine_left() -> None:
+    from bigfleet.decision.index import apply_changes
+    from bigfleet.decision.reclaim import ReclaimWalk, _resumed
+
+    ms = [machine(f"m{i:02d}", S.CONFIGURED, cluster="a", res=cpu(4), rpd=float(i % 3)) for i in range(12)]
+    ix = build_index(ms)
+    by_class = ix.bound["a"][CONFIGURED]
+    cy = CycleScratch(ix, ("cpu",), {})
+    walk = ReclaimWalk(cy, by_class, ix.cluster_ver.get("a", 0))
+    first = walk.first(cy, by_class, {}, set(), 2)
+    assert first == ["m09", "m06"] and walk.ids == ["m09", "m06", "m03", "m00"]  # (the whole rpd-0 bucket)
+    by_id = {m.id: m for m in ms}
+    # the two drained machines start draining: the walk resumes without them
+    apply_changes(ix, [by_id["m09"], by_id["m06"]], [by_id["m09"].replace(state=S.DRAINING),
+                                                    by_id["m06"].replace(state=S.DRAINING)])
+    cy = CycleScratch(ix, ("cpu",), {})
+    again = _resumed(cy, "a", walk, by_class)
+    assert again is walk and walk.ids == ["m03", "m00"]
+    assert walk.first(cy, by_class, {}, set(), 3) == ["m03", "m00", "m10"]
+    # a machine the walk never reached leaves: positions moved, so it starts over
+    apply_changes(ix, [by_id["m02"]], [by_id["m02"].replace(state=S.DRAINING)])
+    cy = CycleScratch(ix, ("cpu",), {})
+    fresh = _resumed(cy, "a", walk, by_class)
+    assert fresh is not walk
+    assert fresh.first(cy, by_class, {}, set(), 4) == ["m03", "m00", "m10", "m07"]
