@@ -13,7 +13,7 @@ import pytest
 from bigfleet.decision import Engine, EngineConfig, EngineState, decide
 from bigfleet.decision.cycle import ClusterCache
 from bigfleet.decision.ledgers import CarriedShort, ShortPart, _key_sorted
-from bigfleet.decision.scratch import NeedRow
+from bigfleet.decision.scratch import NeedRow, RowMaker
 from bigfleet.machine import Inventory
 from bigfleet.needs import Need, NeedsTable, Operator, PenaltyBucket, Profile, Requirement
 
@@ -85,7 +85,8 @@ def test_the_sequences_above_exercise_both_age_paths() -> None:
 def _row(cluster: str, job: int, units: int, prio: int) -> NeedRow:
     prof = Profile.build([], (), prio, PenaltyBucket.B64, PenaltyBucket.ZERO, f"job-{job}")
     need = Need(cluster, prof, _res(units), _res(1), 1 + job)
-    n = NeedRow(need, [need], ("nvidia.com/gpu",))
+    maker = RowMaker(("nvidia.com/gpu",))
+    n = maker.row(need, [need], maker.info(prof))
     n.unmet_age = 1
     return n
 
