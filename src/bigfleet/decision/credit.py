@@ -125,7 +125,8 @@ def _state_runs(cy: CycleScratch, n: NeedRow, state: int, by_class: dict[int, li
     if keep is None:
         if tok.isdisjoint(by_class):
             return []
-        return [_Run(a, ms) for a, ms in _keep_runs(cy, bound_lists(cy, n, state))]
+        return _mixed_stamp_runs(cy, by_class, tok) or [
+            _Run(a, ms) for a, ms in _keep_runs(cy, bound_lists(cy, n, state))]
     order = keep.order
     common = tok.intersection(by_class)
     if not common:
@@ -140,6 +141,23 @@ def _state_runs(cy: CycleScratch, n: NeedRow, state: int, by_class: dict[int, li
         return [_Run(alloc[sel[0]], list(chain.from_iterable(map(by_class.__getitem__, sel))))]
     return [_Run(a, list(chain.from_iterable(map(by_class.__getitem__, map(_SECOND, grp)))))
             for a, grp in groupby(zip(map(alloc.__getitem__, sel), sel, strict=True), key=_FIRST)]
+
+
+def _mixed_stamp_runs(cy: CycleScratch, by_class: dict[int, list[Machine]], tok: set[int]) -> list[_Run]:
+    """`_keep_runs` for eligible classes of one allocatable and one price whose stamps differ: the
+    lists concatenated in class-rank order, then one stable C-level sort by stamp (desc) gives
+    (reclamation desc, class, keep order within the class), i.e. the segments' order, without a
+    Python step per segment. [] when that does not apply (odd stamps, several prices or sizes)."""
+    sel = sorted(tok.intersection(by_class), key=cy.keep_rank().__getitem__)
+    groups = list(map(cy.alloc_group().__getitem__, sel))
+    prices = cy.class_prices()
+    if groups.count(groups[0]) != len(groups) or len(set(map(prices.__getitem__, sel))) != 1:
+        return []
+    ms = list(chain.from_iterable(map(by_class.__getitem__, sel)))
+    neg_stamps = list(map(neg, map(RECLAMATION_STAMP, ms)))
+    if any(map(isnan, neg_stamps)) or max(neg_stamps) > 0:
+        return []
+    return [_Run(cy.alloc[sel[0]], list(map(ms.__getitem__, sorted(range(len(ms)), key=neg_stamps.__getitem__))))]
 
 
 def _class_keep_order(cy: CycleScratch, by_class: dict[int, list[Machine]]) -> list[int]:
