@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from bigfleet.decision.credit import _keep_runs, _state_runs, bound_lists
 from bigfleet.decision.index import CONFIGURED, CONFIGURING, build_index
-from bigfleet.decision.scratch import CycleScratch, NeedRow
+from bigfleet.decision.scratch import CycleScratch, NeedRow, RowMaker
 from bigfleet.machine import Inventory, Machine, MachineState
 from bigfleet.needs import Need, Operator, Profile, Requirement
 
@@ -42,7 +42,8 @@ def bound_fleet(draw: st.DrawFn) -> list[Machine]:
 def _need(cluster: str, types: tuple[str, ...], minu: int) -> NeedRow:
     reqs = [Requirement(TYPE_KEY, Operator.IN, types)] if types else []
     n = Need(cluster, Profile.build(reqs, priority=100), g(4), g(minu), 1)
-    return NeedRow(n, [n], DIMS)
+    rm = RowMaker(DIMS)
+    return rm.row(n, [n], rm.info(n.profile))
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
