@@ -281,8 +281,7 @@ def test_bulk_crediting_equals_machine_by_machine(ms: list[Machine], ns: list[Ne
     from bigfleet.decision import credit
 
     fast = _decide(ns, ms, ready)
-    with mock.patch.object(credit, "_band_hold", lambda *a: False), \
-            mock.patch.object(credit, "_bulk_hold", lambda *a: False):
+    with mock.patch.object(credit, "_take_runs", lambda *a: False):
         slow = _decide(ns, ms, ready)
     assert fast == slow
 
@@ -309,7 +308,6 @@ def test_bulk_crediting_equals_machine_by_machine_on_dense_classes(ms: list[Mach
 
     ready = frozenset(CLUSTERS)
     fast = _decide(ns, ms, ready, EngineConfig(reclaim_cap_fraction=0))
-    with mock.patch.object(credit, "_band_hold", lambda *a: False), \
-            mock.patch.object(credit, "_bulk_hold", lambda *a: False):
+    with mock.patch.object(credit, "_take_runs", lambda *a: False):
         slow = _decide(ns, ms, ready, EngineConfig(reclaim_cap_fraction=0))
     assert fast == slow

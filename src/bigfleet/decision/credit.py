@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Iterable
-from itertools import repeat
+from itertools import accumulate, chain, groupby, repeat
 from math import isnan
-from operator import itemgetter
+from operator import itemgetter, neg
 
 from bigfleet.machine.record import Machine
 
@@ -22,7 +22,7 @@ from .index import (
     m_reclamation,
 )
 from .scratch import CONFIGURED_STATE, MACHINE_ID, RECLAMATION_STAMP, CycleScratch, NeedRow
-from .vec import Vec, covers, units_to_cover, vsub
+from .vec import Vec, covers, vsub
 
 
 def bound_lists(cy: CycleScratch, n: NeedRow, state: int) -> list[tuple[MClass, list[Machine]]]:
@@ -52,48 +52,182 @@ def hold(cy: CycleScratch, m: Machine, n: NeedRow) -> None:
         cy.hconf[n.cluster] = cy.hconf.get(n.cluster, 0) + 1
 
 
-def _band_hold(cy: CycleScratch, n: NeedRow, state: int, lists: list[tuple[MClass, list[Machine]]]) -> bool:
-    """Credit in bulk. The keep order over several classes is precomputed once per cycle as a few
-    "runs" (segments of equal price and reclamation penalty, class after class, neighbours of equal
-    allocatable concatenated), so crediting a need is one slice and one C-level dict update per run.
-    False: a run was not clean (the caller finishes machine by machine; nothing taken is undone)."""
-    hit = cy.band_runs.get(id(lists))
-    if hit is not None and hit[0] is lists:
-        runs = hit[1]
+class _Run:
+    """Bound machines of equal allocatable in keep order, `ms[cur:end]`, with their ids (read while
+    the machines are still in cache); every machine before `cur` is held."""
+
+    __slots__ = ("alloc", "cur", "end", "ids", "ms")
+
+    def __init__(self, alloc: Vec, ms: list[Machine], ids: list[str] | None = None, lo: int = 0,
+                 hi: int | None = None) -> None:
+        self.alloc = alloc
+        self.ms = ms
+        self.ids = list(map(MACHINE_ID, ms)) if ids is None else ids
+        self.cur = lo
+        self.end = len(ms) if hi is None else hi
+
+
+class _ClusterKeep:
+    """A cluster's bound classes of one state in keep order (each has one plain stamp), their
+    machines concatenated in that order with their ids, and where each class starts: a need whose
+    eligible classes are neighbours in that order (same type, same price) takes a view, not a copy."""
+
+    __slots__ = ("ids", "ms", "offs", "order", "pos")
+
+    def __init__(self, order: list[int], by_class: dict[int, list[Machine]]) -> None:
+        self.order = order
+        lsts = list(map(by_class.__getitem__, order))
+        self.ms = list(chain.from_iterable(lsts))
+        self.ids = list(map(MACHINE_ID, self.ms))
+        self.offs = list(accumulate(map(len, lsts), initial=0))
+        self.pos = dict(zip(order, range(len(order)), strict=True))
+
+
+#: per bound state with matching machines: (state, its keep-order runs)
+_Plan = list[tuple[int, list[_Run]]]
+
+
+def _plans(cy: CycleScratch, n: NeedRow, bound: dict[int, dict[int, list[Machine]]]) -> _Plan:
+    """The need's runs per bound state, shared by every need of the cluster with the same eligible
+    classes (memoised per cycle). The eligible set is looked up by fingerprint: it is content-addressed
+    over the requirements, so no per-need hash of the requirement tuple is needed."""
+    hit = cy.fp_eligible.get(n.fp)
+    if hit is not None and hit[0] == n.minu:
+        tok = hit[1]
     else:
-        runs = _keep_runs(cy, lists)
-        cy.band_runs[id(lists)] = (lists, runs)
-    if runs is None:
-        return False
+        tok = cy.eligible_set(n)
+        cy.fp_eligible[n.fp] = (n.minu, tok)
+    key = (n.cluster, id(tok))  # the set lives in the scratch's eligibility memo: its id is stable
+    plan = cy.credit_plans.get(key)
+    if plan is None:
+        plan = []
+        for state in (CONFIGURED, CONFIGURING):
+            by_class = bound.get(state)
+            if by_class:
+                runs = _state_runs(cy, n, state, by_class, tok)
+                if runs:
+                    plan.append((state, runs))
+        cy.credit_plans[key] = plan
+    return plan
+
+
+def _state_runs(cy: CycleScratch, n: NeedRow, state: int, by_class: dict[int, list[Machine]], tok: set[int]
+                ) -> list[_Run]:
+    """The runs of `_keep_runs` over the eligible classes: the cluster's classes in keep order (one
+    sort per cluster and state), filtered at C level; `_keep_runs` itself when some class of the
+    cluster has more than one reclamation stamp."""
+    ck = (n.cluster, state)
+    if ck in cy.keep_orders:
+        keep = cy.keep_orders[ck]
+    else:
+        order = _class_keep_order(cy, by_class)
+        keep = cy.keep_orders[ck] = _ClusterKeep(order, by_class) if order else None
+    if keep is None:
+        if tok.isdisjoint(by_class):
+            return []
+        return _mixed_stamp_runs(cy, by_class, tok) or [
+            _Run(a, ms) for a, ms in _keep_runs(cy, bound_lists(cy, n, state))]
+    order = keep.order
+    common = tok.intersection(by_class)
+    if not common:
+        return []
+    sel = sorted(common, key=keep.pos.__getitem__)
+    alloc = cy.alloc
+    groups = list(map(cy.alloc_group().__getitem__, sel))
+    if groups.count(groups[0]) == len(groups):  # one allocatable (common): one run
+        p0 = keep.pos[sel[0]]
+        if order[p0:p0 + len(sel)] == sel:  # neighbours in the cluster's order: a view
+            return [_Run(alloc[sel[0]], keep.ms, keep.ids, keep.offs[p0], keep.offs[p0 + len(sel)])]
+        return [_Run(alloc[sel[0]], list(chain.from_iterable(map(by_class.__getitem__, sel))))]
+    return [_Run(a, list(chain.from_iterable(map(by_class.__getitem__, map(_SECOND, grp)))))
+            for a, grp in groupby(zip(map(alloc.__getitem__, sel), sel, strict=True), key=_FIRST)]
+
+
+def _mixed_stamp_runs(cy: CycleScratch, by_class: dict[int, list[Machine]], tok: set[int]) -> list[_Run]:
+    """`_keep_runs` for eligible classes of one allocatable and one price whose stamps differ: the
+    lists concatenated in class-rank order, then one stable C-level sort by stamp (desc) gives
+    (reclamation desc, class, keep order within the class), i.e. the segments' order, without a
+    Python step per segment. [] when that does not apply (odd stamps, several prices or sizes)."""
+    sel = sorted(tok.intersection(by_class), key=cy.keep_rank().__getitem__)
+    groups = list(map(cy.alloc_group().__getitem__, sel))
+    prices = cy.class_prices()
+    if groups.count(groups[0]) != len(groups) or len(set(map(prices.__getitem__, sel))) != 1:
+        return []
+    ms = list(chain.from_iterable(map(by_class.__getitem__, sel)))
+    neg_stamps = list(map(neg, map(RECLAMATION_STAMP, ms)))
+    if any(map(isnan, neg_stamps)) or max(neg_stamps) > 0:
+        return []
+    return [_Run(cy.alloc[sel[0]], list(map(ms.__getitem__, sorted(range(len(ms)), key=neg_stamps.__getitem__))))]
+
+
+def _class_keep_order(cy: CycleScratch, by_class: dict[int, list[Machine]]) -> list[int]:
+    """The classes by (price, reclamation desc, class rank) when every class list has one plain
+    reclamation stamp (then a class is one segment of `_keep_runs`); [] otherwise. C-level passes."""
+    cis = list(by_class)
+    lsts = list(by_class.values())
+    firsts = list(map(RECLAMATION_STAMP, map(_FIRST, lsts)))
+    if firsts != list(map(RECLAMATION_STAMP, map(_LAST, lsts))) or any(map(isnan, firsts)) or min(firsts) < 0:
+        return []
+    if firsts.count(firsts[0]) == len(firsts):  # one stamp in the whole cluster (common): an int sort
+        return sorted(cis, key=cy.keep_rank().__getitem__)
+    # ranks are unique, so the tuples never compare past them
+    return list(map(_FOURTH, sorted(zip(map(cy.class_prices().__getitem__, cis), map(neg, firsts),
+                                        map(cy.class_rank().__getitem__, cis), cis, strict=True))))
+
+
+_FIRST = itemgetter(0)
+_SECOND = itemgetter(1)
+_FOURTH = itemgetter(3)
+_LAST = itemgetter(-1)
+
+
+def _take_runs(cy: CycleScratch, n: NeedRow, state: int, runs: list[_Run]) -> bool:
+    """Credit in bulk: one slice and one C-level dict update per run. False: a run was not clean
+    (the caller finishes machine by machine; nothing taken is undone)."""
     held = cy.held.get(n.cluster)
     if held is None:
         held = cy.held[n.cluster] = {}
-    rcur = cy.rcur
+    rem = n.remaining
     all_taken = 0
     clean = True
-    for ri, (a, run) in enumerate(runs):
-        if not any(n.remaining):
-            break
-        ck = (id(lists), ri)
-        i = rcur.get(ck, 0)
-        size = len(run)
-        while i < size and run[i].id in held:
+    for r in runs:
+        rids = r.ids
+        i = r.cur
+        size = r.end
+        while i < size and rids[i] in held:
             i += 1
-        rcur[ck] = i
-        k = units_to_cover(n.remaining, a, size - i)
+        r.cur = i
+        a = r.alloc
+        left = size - i
+        k = 0  # units_to_cover, inlined: this runs once per need
+        for x, u in zip(rem, a, strict=False):
+            if x > 0:
+                if u <= 0:
+                    k = left
+                    break
+                q = -(-x // u)
+                if q > k:
+                    k = q
+        if k > left:
+            k = left
         if k <= 0:
             continue
-        chunk = run[i:i + k]
-        ids = list(map(MACHINE_ID, chunk))
-        if any(map(held.__contains__, ids)):
+        ids = rids[i:i + k]
+        if not held.keys().isdisjoint(ids):
             clean = False
             break
         held.update(zip(ids, repeat(n)))
-        n.claimed.extend(chunk)
-        n.credited += k
-        rcur[ck] = i + k
-        n.remaining = vsub(n.remaining, tuple([x * k for x in a]))
+        n.claimed.extend(r.ms[i:i + k])
+        r.cur = i + k
         all_taken += k
+        if k < left:  # fewer than the limit: k covers `rem` (allocatable is never negative)
+            rem = cy.zero
+            break
+        rem = vsub(rem, tuple([x * k for x in a]))
+        if not any(rem):
+            break
+    n.remaining = rem
+    n.credited += all_taken
     if state == CONFIGURED and all_taken:
         cy.hconf[n.cluster] = cy.hconf.get(n.cluster, 0) + all_taken
     return clean
@@ -139,35 +273,6 @@ _SEG_ORDER = itemgetter(0, 1, 2)
 
 def _negated_reclamation(m: Machine) -> float:
     return -m_reclamation(m)
-
-
-def _bulk_hold(cy: CycleScratch, n: NeedRow, state: int, c: MClass, lst: list[Machine]) -> bool:
-    """Credit a whole run of one class at once (C-level dict update); False if the run is not clean."""
-    held = cy.held.get(n.cluster)
-    if held is None:
-        held = cy.held[n.cluster] = {}
-    ck = (n.cluster, state, c.idx)
-    i = cy.bcur.get(ck, 0)
-    size = len(lst)
-    while i < size and lst[i].id in held:
-        i += 1
-    cy.bcur[ck] = i
-    a = cy.alloc[c.idx]
-    k = units_to_cover(n.remaining, a, size - i)
-    if k <= 0:
-        return size - i == 0
-    chunk = lst[i:i + k]
-    ids = list(map(MACHINE_ID, chunk))
-    if any(map(held.__contains__, ids)):
-        return False
-    held.update(zip(ids, repeat(n)))
-    n.claimed.extend(chunk)
-    n.credited += k
-    n.remaining = vsub(n.remaining, tuple([x * k for x in a]))
-    cy.bcur[ck] = i + k
-    if state == CONFIGURED:
-        cy.hconf[n.cluster] = cy.hconf.get(n.cluster, 0) + k
-    return True
 
 
 def keep_stream(cy: CycleScratch, n: NeedRow, state: int, lists: list[tuple[MClass, list[Machine]]]
@@ -216,22 +321,20 @@ def keep_stream(cy: CycleScratch, n: NeedRow, state: int, lists: list[tuple[MCla
 
 
 def credit_plain(cy: CycleScratch, n: NeedRow) -> None:
-    for state in (CONFIGURED, CONFIGURING):
-        if not any(n.remaining):
-            return
-        lists = bound_lists(cy, n, state)
-        if not lists:  # nothing bound here (every need of a bootstrapping cluster): no stream to set up
-            continue
-        if len(lists) == 1:
-            if _bulk_hold(cy, n, state, lists[0][0], lists[0][1]):
-                continue
-        elif _band_hold(cy, n, state, lists):
-            continue
-        for c, m in keep_stream(cy, n, state, lists):
+    if not any(n.remaining):
+        return
+    bound = cy.ix.bound.get(n.cluster)
+    if bound:  # nothing bound here (every need of a bootstrapping cluster): no plan to set up
+        for state, runs in _plans(cy, n, bound):
             if not any(n.remaining):
                 return
-            hold(cy, m, n)
-            n.remaining = vsub(n.remaining, cy.alloc[c.idx])
+            if _take_runs(cy, n, state, runs):
+                continue
+            for c, m in keep_stream(cy, n, state, bound_lists(cy, n, state)):
+                if not any(n.remaining):
+                    return
+                hold(cy, m, n)
+                n.remaining = vsub(n.remaining, cy.alloc[c.idx])
     if any(n.remaining):
         credit_reserved(cy, n)
 

@@ -198,8 +198,11 @@ class CycleScratch:
         # object while the entry exists (a hit is also checked by identity).
         self.ordered_groups: dict[tuple[int, int, float], tuple[list[MClass], list[list[MClass]]]] = {}
         self.group_heaps: dict[tuple[int, int], tuple[list[MClass], list[tuple[float, str, int]]]] = {}
-        self.band_runs: dict[int, tuple[Any, list[tuple[Vec, list[Machine]]] | None]] = {}
-        self.rcur: dict[tuple[int, int], int] = {}
+        #: Phase-1 credit: fingerprint → (MinUnit, eligible class set); (cluster, id(that set)) → plan
+        self.fp_eligible: dict[str, tuple[Vec, set[int]]] = {}
+        self.credit_plans: dict[tuple[str, int], Any] = {}
+        #: (cluster, bound state) → its bound classes in keep order (None: some class has several stamps)
+        self.keep_orders: dict[tuple[str, int], Any] = {}
         self.merged_keep_order: dict[int, tuple[Any, list[tuple[MClass, Machine]]]] = {}
         self.mcur: dict[int, int] = {}
         self._domains: dict[tuple[int, str], list[tuple[str, list[MClass]]]] = {}
@@ -208,6 +211,9 @@ class CycleScratch:
         self.resources_memo: dict[Vec, Resources] = {}
         self._price_rank: list[int] | None = None
         self._class_rank: list[int] | None = None
+        self._class_prices: list[float] | None = None
+        self._keep_rank: list[int] | None = None
+        self._alloc_group: list[int] | None = None
         self.bound_lists_memo: dict[tuple[str, int, tuple[Requirement, ...], Vec], list[tuple[MClass, list[Machine]]]] = {}
 
     # --- pool cursors ---------------------------------------------------------------------------
@@ -276,6 +282,30 @@ class CycleScratch:
                 rank[c.idx] = pos
             self._class_rank = rank
         return self._class_rank
+
+    def class_prices(self) -> list[float]:
+        """class idx → its price (a C-level sort key)."""
+        if self._class_prices is None:
+            self._class_prices = [c.price for c in self.ix.classes]
+        return self._class_prices
+
+    def keep_rank(self) -> list[int]:
+        """class idx → its position in (price, `class_rank`) order: the keep order of classes whose
+        machines all carry one reclamation stamp."""
+        if self._keep_rank is None:
+            prices, crank = self.class_prices(), self.class_rank()
+            rank = [0] * len(prices)
+            for pos, ci in enumerate(sorted(range(len(prices)), key=lambda ci: (prices[ci], crank[ci]))):
+                rank[ci] = pos
+            self._keep_rank = rank
+        return self._keep_rank
+
+    def alloc_group(self) -> list[int]:
+        """class idx → a number shared by exactly the classes of equal allocatable (int compares)."""
+        if self._alloc_group is None:
+            seen: dict[Vec, int] = {}
+            self._alloc_group = [seen.setdefault(a, len(seen)) for a in self.alloc]
+        return self._alloc_group
 
     def eligible_set(self, n: NeedRow) -> set[int]:
         classes = self.eligible(n)

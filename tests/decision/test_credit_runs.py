@@ -1,0 +1,64 @@
+"""Phase-1 credit plans: the runs a need credits from equal the reference `_keep_runs` order."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bigfleet.decision.credit import _keep_runs, _state_runs, bound_lists
+from bigfleet.decision.index import CONFIGURED, CONFIGURING, build_index
+from bigfleet.decision.scratch import CycleScratch, NeedRow, RowMaker
+from bigfleet.machine import Inventory, Machine, MachineState
+from bigfleet.needs import Need, Operator, Profile, Requirement
+
+from .fx import TYPE_KEY, machine
+from .test_engine_properties import CLUSTERS, g
+
+S = MachineState
+DIMS = ("nvidia.com/gpu",)
+ODD = (float("nan"), -1.0)
+
+
+@st.composite
+def bound_fleet(draw: st.DrawFn) -> list[Machine]:
+    """Bound machines of few shapes, many per class, one or several stamps per class (sometimes odd)."""
+    odd = draw(st.booleans())
+    stamps = st.sampled_from((0.0, 8.0, 512.0) + (ODD if odd else ()))
+    uniform = draw(st.booleans())  # one stamp per (cluster, class): the C-level class sort
+    prices = (1.0, 2.0) if draw(st.booleans()) else (1.0,)  # one price and size: the mixed-stamp sort
+    sizes = (1, 2) if draw(st.booleans()) else (1,)
+    fixed: dict[tuple[str, str, str, float, int], float] = {}
+    out = []
+    for i in range(draw(st.integers(1, 60))):
+        cluster = draw(st.sampled_from(CLUSTERS[:2]))
+        shape = (cluster, draw(st.sampled_from(("t0", "t1"))), draw(st.sampled_from("ab")),
+                 draw(st.sampled_from(prices)), draw(st.sampled_from(sizes)))
+        rpd = fixed.setdefault(shape, draw(stamps)) if uniform else draw(stamps)
+        out.append(machine(f"m{i:02d}", draw(st.sampled_from((S.CONFIGURED, S.CONFIGURED, S.CONFIGURING))),
+                           cluster=cluster, itype=shape[1], zone=shape[2], price=shape[3], res=g(shape[4]), rpd=rpd))
+    return out
+
+
+def _need(cluster: str, types: tuple[str, ...], minu: int) -> NeedRow:
+    reqs = [Requirement(TYPE_KEY, Operator.IN, types)] if types else []
+    n = Need(cluster, Profile.build(reqs, priority=100), g(4), g(minu), 1)
+    rm = RowMaker(DIMS)
+    return rm.row(n, [n], rm.info(n.profile))
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(bound_fleet(), st.sampled_from(((), ("t0",), ("t1",), ("t0", "t1"))), st.integers(1, 2))
+def test_plan_runs_equal_the_reference_keep_runs(ms: list[Machine], types: tuple[str, ...], minu: int) -> None:
+    ix = build_index(Inventory(ms))
+    cy = CycleScratch(ix, DIMS, {})
+    for cluster in CLUSTERS:
+        n = _need(cluster, types, minu)
+        for state in (CONFIGURED, CONFIGURING):
+            by_class = ix.bound.get(cluster, {}).get(state)
+            if not by_class:
+                continue
+            got = [(r.alloc, r.ms[r.cur:r.end], r.ids[r.cur:r.end]) for r in
+                   _state_runs(cy, n, state, by_class, cy.eligible_set(n))]
+            lists = bound_lists(cy, n, state)
+            want = [(a, run, [m.id for m in run]) for a, run in _keep_runs(cy, lists)] if lists else []
+            assert got == want
