@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from itertools import compress, groupby
+from itertools import compress, groupby, repeat
 from operator import attrgetter
 from typing import Any, ClassVar
 
-from bigfleet.machine.record import Machine, MachineShape
+from bigfleet.machine.record import Assignment, Machine, MachineShape
 from bigfleet.machine.state import CapacityType, MachineState
 from bigfleet.needs import Requirement, Resources
 
@@ -185,11 +185,18 @@ def _index_class(ix: Index, c: MClass, by_state: dict[MachineState, list[Machine
             if st is S.IDLE:
                 ix.idle_by_type.setdefault(int(c.capacity_type), []).extend(group)
                 _file_by_fingerprint(ix.reserved_idle, group)
-        elif st is S.CONFIGURED or st is S.CONFIGURING:
+        elif st is S.CONFIGURED:
             group.sort(key=_ID)
-            if st is S.CONFIGURED:
-                ix.configured_by_class[ci] = list(group)
-            _index_bound(ix, ci, int(st), group)
+            conf = list(group)
+            # the assignments (read once from the records) seed Phase 2's victim order; penalties come
+            # from the shared assignment objects, which is far cheaper than a second record pass
+            assignments = list(map(_ASSIGNMENT, conf))
+            ix.configured_by_class[ci] = conf
+            ix.victims[ci] = VictimOrders(ix.configured_ver.get(ci, 0), conf, assignments)
+            _index_bound(ix, ci, CONFIGURED, group, list(map(_A_RECL, assignments)))
+        elif st is S.CONFIGURING:
+            group.sort(key=_ID)
+            _index_bound(ix, ci, CONFIGURING, group)
         elif st is S.DRAINING:
             group.sort(key=_ID)
             ix.draining_by_class[ci] = group
@@ -199,11 +206,12 @@ def _index_class(ix: Index, c: MClass, by_state: dict[MachineState, list[Machine
         ix.free_count[ci] = free
 
 
-def _index_bound(ix: Index, ci: int, sti: int, id_sorted: list[Machine]) -> None:
-    """Split one class's CONFIGURED/CONFIGURING machines (given in id order) by cluster, each part in
-    keep order: sorted once for the whole class, then a stable C-level sort by cluster."""
+def _index_bound(ix: Index, ci: int, sti: int, id_sorted: list[Machine], recl: list[float] | None = None) -> None:
+    """Split one class's CONFIGURED/CONFIGURING machines (given in id order; `recl`: their raw
+    reclamation stamps, when known) by cluster, each part in keep order: sorted once for the whole
+    class, then a stable C-level sort by cluster."""
     keep = id_sorted
-    _sort_keep_from_id(keep)
+    _sort_keep_from_id(keep, recl)
     keep.sort(key=_CLUSTER)
     bound = ix.bound
     cc = ix.configured_count
@@ -241,14 +249,16 @@ _ID = attrgetter("id")
 _RECL = attrgetter("assignment.reclamation_penalty_dollars")
 _CLUSTER = attrgetter("cluster")
 _FP = attrgetter("assignment.need_fingerprint")
-_PRIORITY = attrgetter("assignment.priority")
+_ASSIGNMENT = attrgetter("assignment")
+_A_RECL = attrgetter("reclamation_penalty_dollars")
 _STATE_ORDER = tuple(MachineState)
 
 
-def _plain_penalties(lst: list[Machine]) -> bool | None:
+def _plain_penalties(lst: list[Machine], recl: list[float] | None = None) -> bool | None:
     """True: one penalty throughout (not NaN); False: several, all ≥ 0 and none NaN (so a C-level
     sort on the raw stamp orders as `m_reclamation` does); None: some NaN or negative."""
-    recl = list(map(_RECL, lst))
+    if recl is None:
+        recl = list(map(_RECL, lst))
     first = recl[0]
     if first == first and recl.count(first) == len(recl):
         return True
@@ -270,11 +280,11 @@ def _sort_pool(lst: list[Machine]) -> None:
         lst.sort(key=_RECL)
 
 
-def _sort_keep_from_id(lst: list[Machine]) -> None:
+def _sort_keep_from_id(lst: list[Machine], recl: list[float] | None = None) -> None:
     """`keep_key` order (reclamation desc, id) of a list already in id order (stable C-level sort)."""
     if len(lst) < 2:
         return
-    plain = _plain_penalties(lst)
+    plain = _plain_penalties(lst, recl)
     if plain is None:
         lst.sort(key=keep_key)
     elif plain is False:
@@ -406,31 +416,112 @@ def free_supply(ix: Index, busy: Iterable[str], by_id: Mapping[str, Machine]
 
 
 class VictimOrders:
-    """One class's CONFIGURED machines in victim order, per priority tiering (see `victim_order`)."""
+    """One class's CONFIGURED machines (id order) and their stamped `Assignment`s, with the victim
+    streams of each priority tiering built from them (see `victim_stream`)."""
 
-    __slots__ = ("by_bounds", "by_cuts", "machines", "prios", "ver")
+    __slots__ = ("aids", "assignments", "by_bounds", "by_cuts", "distinct", "machines", "prios", "ver")
 
     #: distinct tierings (and bounds tuples) kept per class; more are rare (needs come in a few
     #: priorities) and simply rebuilt
     MAX_ORDERS: ClassVar[int] = 8
 
-    def __init__(self, ver: int, machines: list[Machine]) -> None:
+    def __init__(self, ver: int, machines: list[Machine], assignments: list[Assignment] | None = None) -> None:
         self.ver = ver
         self.machines = machines
+        #: each machine's stamped assignment, in `machines` order (the only per-machine record pass;
+        #: the cold index build hands over the list it already made)
+        self.assignments = list(map(_ASSIGNMENT, machines)) if assignments is None else assignments
+        self.aids: list[int] = []
+        #: id() → assignment, one per distinct assignment object (machines share them)
+        self.distinct: dict[int, Assignment] = {}
         #: distinct stamped priorities, ascending
-        self.prios = sorted(set(map(_PRIORITY, machines)))
-        self.by_cuts: dict[tuple[int, ...], list[Machine]] = {}
-        self.by_bounds: dict[tuple[int, ...], list[Machine]] = {}
+        self.prios: list[int] = []
+        self.by_cuts: dict[tuple[int, ...], VictimStream | None] = {}
+        self.by_bounds: dict[tuple[int, ...], VictimStream | None] = {}
+
+    def prepare(self) -> None:
+        """Distinct assignments and priorities, on first use (a build seeds many that are never used)."""
+        if self.aids or not self.assignments:
+            return
+        self.aids = list(map(id, self.assignments))
+        self.distinct = dict(zip(self.aids, self.assignments, strict=True))
+        self.prios = sorted({a.priority for a in self.distinct.values()})
 
 
-def victim_order(ix: Index, ci: int, bounds: tuple[int, ...],
-                 order: Callable[[list[Machine]], list[Machine]]) -> list[Machine]:
+#: (score, stamped priority) of a candidate assignment, or None: not a candidate
+VictimKey = Callable[[Assignment], "tuple[float, int] | None"]
+#: what a victim stream yields: (score, stamped priority, id, machine), ascending; unique (the id)
+VictimItem = tuple[float, int, str, Machine]
+
+
+class VictimStream:
+    """A class's candidates in victim order, produced lazily one (score, priority) bucket at a time.
+
+    Phase 2 usually needs a few victims from the front of each class's order, so sorting every
+    Configured machine is wasted: each distinct assignment is keyed once and ranked, and a bucket's
+    machines (id order) are picked out of the id-ordered list when the stream first reaches it
+    (C-level scans of assignment ids, no record touched). Consumed prefixes are kept, so later
+    needs (and cycles, until the class's Configured set changes) replay them.
+    """
+
+    __slots__ = ("_aids", "_buckets", "_machines", "_next", "items")
+
+    def __init__(self, vo: VictimOrders, key: VictimKey) -> None:
+        keyed: dict[tuple[float, int], list[int]] = {}
+        for aid, a in vo.distinct.items():
+            k = key(a)
+            if k is not None:
+                keyed.setdefault(k, []).append(aid)
+        self._buckets = sorted(keyed.items())
+        self._aids = vo.aids
+        self._machines = vo.machines
+        self._next = 0
+        self.items: list[VictimItem] = []
+
+    def _extend(self) -> bool:
+        r = self._next
+        if r >= len(self._buckets):
+            return False
+        self._next = r + 1
+        (score, prio), aids = self._buckets[r]
+        ms = self._machines
+        if len(aids) == 1:
+            sel = list(map(ms.__getitem__, _positions(self._aids, aids[0])))
+        else:
+            sel = list(compress(ms, map(set(aids).__contains__, self._aids)))
+        self.items.extend(zip(repeat(score), repeat(prio), map(_ID, sel), sel))
+        return True
+
+    def __iter__(self) -> Iterator[VictimItem]:
+        items = self.items
+        i = 0
+        while True:
+            n = len(items)
+            if i < n:
+                yield from items[i:n]
+                i = n
+            elif not self._extend():
+                return
+
+
+def _positions(values: list[int], x: int) -> list[int]:
+    """Where `x` occurs in `values`, ascending (`list.index` scans in C; one Python step per hit)."""
+    out: list[int] = []
+    i = -1
+    index = values.index
+    for _ in range(values.count(x)):
+        i = index(x, i + 1)
+        out.append(i)
+    return out
+
+
+def victim_stream(ix: Index, ci: int, bounds: tuple[int, ...], key: VictimKey) -> VictimStream | None:
     """Class `ci`'s CONFIGURED machines whose stamped priority is below ``bounds[-1]``, in victim
-    order: `order` sorts a list of them given in id order.
+    order (`key` of their assignment, then id); None when there is none.
 
-    ``bounds`` ascend; the order may depend on a machine's priority only through its *tier*,
+    ``bounds`` ascend; the key may depend on a machine's priority only through its *tier*,
     ``bisect_right(bounds, priority)`` (which bound it is below). Only the partition of the
-    class's distinct priorities into tiers matters, so one sorted list serves every bounds tuple
+    class's distinct priorities into tiers matters, so one stream serves every bounds tuple
     with the same partition (in practice: every preemptor of one priority). Cached until the
     class's CONFIGURED set changes.
     """
@@ -439,20 +530,15 @@ def victim_order(ix: Index, ci: int, bounds: tuple[int, ...],
     if vo is None or vo.ver != ver:
         vo = VictimOrders(ver, ix.configured_by_class.get(ci, []))
         ix.victims[ci] = vo
-    got = vo.by_bounds.get(bounds)
-    if got is not None:
-        return got
+    if bounds in vo.by_bounds:
+        return vo.by_bounds[bounds]
+    vo.prepare()
     prios = vo.prios
     cuts = tuple([bisect.bisect_left(prios, b) for b in bounds])
-    got = vo.by_cuts.get(cuts)
-    if got is None:
-        top = bounds[-1]
-        if not cuts[-1]:
-            got = []
-        elif cuts[-1] == len(prios):  # every stamp is below the top bound: no filtering
-            got = order(vo.machines)
-        else:  # (C-level filter: `top.__gt__(priority)` is `priority < top` for int stamps)
-            got = order(list(compress(vo.machines, map(top.__gt__, map(_PRIORITY, vo.machines)))))
+    if cuts in vo.by_cuts:
+        got = vo.by_cuts[cuts]
+    else:
+        got = VictimStream(vo, key) if cuts[-1] else None
         if len(vo.by_cuts) >= VictimOrders.MAX_ORDERS:
             vo.by_cuts.clear()
         vo.by_cuts[cuts] = got
