@@ -443,8 +443,9 @@ class VictimOrders:
         """Distinct assignments and priorities, on first use (a build seeds many that are never used)."""
         if self.aids or not self.assignments:
             return
-        self.aids = list(map(id, self.assignments))
-        self.distinct = dict(zip(self.aids, self.assignments, strict=True))
+        aids = self.aids = list(map(id, self.assignments))
+        at = aids.index  # (a C-level set of ints, then one scan per distinct assignment)
+        self.distinct = {aid: self.assignments[at(aid)] for aid in set(aids)}
         self.prios = sorted({a.priority for a in self.distinct.values()})
 
 
