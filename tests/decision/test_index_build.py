@@ -68,3 +68,23 @@ def test_odd_penalties_sort_as_the_key_functions() -> None:
     for cluster in ("c0", "c1"):
         (lst,) = ix.bound[cluster][int(S.CONFIGURED)].values()
         assert _ids(lst) == _ids(sorted(lst, key=keep_key))
+
+
+def test_cluster_parts_equal_groupby_for_long_and_short_runs() -> None:
+    """The cold build cuts a class's bound machines into per-cluster parts by binary search when
+    runs are long and by `groupby` when they are short: the same parts either way."""
+    from itertools import groupby
+
+    from bigfleet.decision.index import _cluster_parts, _long_runs
+
+    rnd = random.Random(3)
+    seen = set()
+    for _ in range(200):
+        clusters = [f"c{i:03d}" for i in range(rnd.choice((1, 2, 5, 40, 400)))]
+        n = rnd.choice((1, 10, 63, 64, 65, 300, 2000))
+        ms = sorted((machine(f"m{i:04d}", S.CONFIGURED, cluster=rnd.choice(clusters)) for i in range(n)),
+                    key=lambda m: m.cluster)
+        want = [(c, _ids(list(p))) for c, p in groupby(ms, lambda m: m.cluster)]
+        assert [(c, _ids(p)) for c, p in _cluster_parts(ms)] == want
+        seen.add(n >= 64 and _long_runs(ms))
+    assert seen == {True, False}  # both paths ran

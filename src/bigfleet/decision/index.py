@@ -128,18 +128,15 @@ def build_index(machines: Iterable[Machine],
     runs comparable). `by_shape`, when given, is the same machines already grouped by (state, shape)
     (what an `Inventory` keeps): each group is filed whole, without a Python step per machine."""
     ix = Index()
-    per_shape: dict[MachineShape, dict[MachineState, list[Machine]]] = {}
+    per_shape: dict[MachineShape, dict[MachineState, Collection[Machine]]] = {}
     n = 0
     for st, shape, group in (_group_by_shape(machines) if by_shape is None else by_shape):
         n += len(group)
         by_st = per_shape.get(shape)
         if by_st is None:
             by_st = per_shape[shape] = {}
-        lst = by_st.get(st)
-        if lst is None:
-            by_st[st] = list(group)
-        else:
-            lst.extend(group)
+        got = by_st.get(st)
+        by_st[st] = group if got is None else [*got, *group]
     ix.total = n
     classes = sorted((MClass(0, sh) for sh in per_shape), key=lambda c: c.sort_key)
     for i, c in enumerate(classes):
@@ -166,16 +163,34 @@ def _group_by_shape(machines: Iterable[Machine]) -> list[tuple[MachineState, Mac
     return [(st, shape, lst) for (st, shape), lst in out.items()]
 
 
-def _index_class(ix: Index, c: MClass, by_state: dict[MachineState, list[Machine]]) -> None:
+def _id_sorted(group: Collection[Machine]) -> list[Machine]:
+    """A new list of `group` in id order. An `Inventory` group is a view of its id → record table:
+    when the table's keys are already in order (typical after a bulk load), that is checked on the
+    keys alone, without reading a record (a record pass over one class is strided through memory)."""
+    table = getattr(group, "mapping", None)  # (a dict's values view knows its dict)
+    if table is not None:
+        ids = list(table)
+        if ids == sorted(ids):
+            return list(group)
+    lst = list(group)
+    lst.sort(key=_ID)
+    return lst
+
+
+def _index_class(ix: Index, c: MClass, by_state: dict[MachineState, Collection[Machine]]) -> None:
     """File one class's machines, state by state, each list sorted once here."""
     ci = c.idx
     free = 0
     for st in _STATE_ORDER:
-        group = by_state.get(st)
-        if not group:
+        raw = by_state.get(st)
+        if not raw:
             continue
+        if st is S.CREATING:
+            _file_by_fingerprint(ix.creating, list(raw))
+            continue
+        group = _id_sorted(raw)
         if st is S.IDLE or st is S.SPECULATIVE:
-            _sort_pool(group)
+            _sort_pool_from_id(group)
             sti = int(st)
             ix.pool[(sti, ci)] = group
             n_cl = len(group) - list(map(_CLUSTER, group)).count("")
@@ -186,7 +201,6 @@ def _index_class(ix: Index, c: MClass, by_state: dict[MachineState, list[Machine
                 ix.idle_by_type.setdefault(int(c.capacity_type), []).extend(group)
                 _file_by_fingerprint(ix.reserved_idle, group)
         elif st is S.CONFIGURED:
-            group.sort(key=_ID)
             conf = list(group)
             # the assignments (read once from the records) seed Phase 2's victim order; penalties come
             # from the shared assignment objects, which is far cheaper than a second record pass
@@ -195,13 +209,9 @@ def _index_class(ix: Index, c: MClass, by_state: dict[MachineState, list[Machine
             ix.victims[ci] = VictimOrders(ix.configured_ver.get(ci, 0), conf, assignments)
             _index_bound(ix, ci, CONFIGURED, group, list(map(_A_RECL, assignments)))
         elif st is S.CONFIGURING:
-            group.sort(key=_ID)
             _index_bound(ix, ci, CONFIGURING, group)
         elif st is S.DRAINING:
-            group.sort(key=_ID)
             ix.draining_by_class[ci] = group
-        elif st is S.CREATING:
-            _file_by_fingerprint(ix.creating, group)
     if free:
         ix.free_count[ci] = free
 
@@ -216,10 +226,9 @@ def _index_bound(ix: Index, ci: int, sti: int, id_sorted: list[Machine], recl: l
     bound = ix.bound
     cc = ix.configured_count
     conf = sti == CONFIGURED
-    for cluster, part in groupby(keep, _CLUSTER):
+    for cluster, lst in _cluster_parts(keep):
         if not cluster:
             continue
-        lst = list(part)
         by_state = bound.get(cluster)
         if by_state is None:
             by_state = bound[cluster] = {}
@@ -229,6 +238,29 @@ def _index_bound(ix: Index, ci: int, sti: int, id_sorted: list[Machine], recl: l
         by_class[ci] = lst
         if conf:
             cc[cluster] = cc.get(cluster, 0) + len(lst)
+
+
+def _cluster_parts(keep: list[Machine]) -> list[tuple[str, list[Machine]]]:
+    """(cluster, its machines) of a list sorted by cluster, in order. Where clusters hold long runs
+    (a few clusters own a class), each run's end is a C-level binary search, so most records are not
+    read again; where runs are short (many small clusters), one `groupby` pass is cheaper."""
+    n = len(keep)
+    if n < 64 or not _long_runs(keep):
+        return [(cluster, list(part)) for cluster, part in groupby(keep, _CLUSTER)]
+    out: list[tuple[str, list[Machine]]] = []
+    a = 0
+    while a < n:
+        cluster = keep[a].cluster
+        b = bisect.bisect_right(keep, cluster, a + 1, n, key=_CLUSTER)
+        out.append((cluster, keep[a:b]))
+        a = b
+    return out
+
+
+def _long_runs(keep: list[Machine]) -> bool:
+    """Whether runs are long (≳ 16 on average): at most 2 of 32 evenly spaced neighbour pairs differ."""
+    step = (len(keep) - 1) // 32
+    return sum(keep[i].cluster != keep[i + 1].cluster for i in range(0, step * 32, step)) <= 2
 
 
 def _file_by_fingerprint(by_fp: dict[str, list[Machine]], group: list[Machine]) -> None:
@@ -267,16 +299,14 @@ def _plain_penalties(lst: list[Machine], recl: list[float] | None = None) -> boo
     return False
 
 
-def _sort_pool(lst: list[Machine]) -> None:
-    """`pool_key` order (reclamation asc, id) with C-level keys: id, then a stable penalty sort."""
+def _sort_pool_from_id(lst: list[Machine]) -> None:
+    """`pool_key` order (reclamation asc, id) of a list already in id order (stable C-level sort)."""
     if len(lst) < 2:
         return
     plain = _plain_penalties(lst)
     if plain is None:
         lst.sort(key=pool_key)
-        return
-    lst.sort(key=_ID)
-    if plain is False:
+    elif plain is False:
         lst.sort(key=_RECL)
 
 
