@@ -52,6 +52,8 @@ def test_grouped_build_equals_machine_by_machine(ms: list[Machine], ns: list, re
     rnd.shuffle(shuffled)
     inv = Inventory(shuffled)
     assert _view(build_index(inv.machines(), _inventory_groups(inv))) == _view(build_index(ms))  # type: ignore[arg-type]
+    in_order = Inventory(sorted(ms, key=lambda m: m.id))  # (its groups say they are id-ordered: no sort)
+    assert _view(build_index(in_order.machines(), _inventory_groups(in_order))) == _view(build_index(ms))  # type: ignore[arg-type]
     state = EngineState(first_rollup=ready)
     assert decide(ns, inv, NOW, state, EngineConfig()) == decide(ns, list(ms), NOW, state, EngineConfig())
 

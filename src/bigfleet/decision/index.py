@@ -164,14 +164,11 @@ def _group_by_shape(machines: Iterable[Machine]) -> list[tuple[MachineState, Mac
 
 
 def _id_sorted(group: Collection[Machine]) -> list[Machine]:
-    """A new list of `group` in id order. An `Inventory` group is a view of its id → record table:
-    when the table's keys are already in order (typical after a bulk load), that is checked on the
-    keys alone, without reading a record (a record pass over one class is strided through memory)."""
-    table = getattr(group, "mapping", None)  # (a dict's values view knows its dict)
-    if table is not None:
-        ids = list(table)
-        if ids == sorted(ids):
-            return list(group)
+    """A new list of `group` in id order. An `Inventory` group says when it already is (its ids were
+    inserted in ascending order, typical after a bulk load): then no record is read (a pass over one
+    class's records is strided through memory: ~70-90 ms at 500 000 machines)."""
+    if getattr(group, "id_ordered", False):
+        return list(group)
     lst = list(group)
     lst.sort(key=_ID)
     return lst
