@@ -70,6 +70,9 @@ def test_odd_penalties_sort_as_the_key_functions() -> None:
     for cluster in ("c0", "c1"):
         (lst,) = ix.bound[cluster][int(S.CONFIGURED)].values()
         assert _ids(lst) == _ids(sorted(lst, key=keep_key))
+    for order in (ms + plain, list(reversed(ms + plain))):  # (groups' penalty stamps known, no record read)
+        inv = Inventory(order)
+        assert _view(build_index(inv.machines(), _inventory_groups(inv))) == _view(ix)  # type: ignore[arg-type]
 
 
 def test_cluster_parts_equal_groupby_for_long_and_short_runs() -> None:

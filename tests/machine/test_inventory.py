@@ -46,6 +46,9 @@ def check_indexes(inv: Inventory) -> None:
             assert len(group) == len(ids) and all(m in group for m in group)
             if group.id_ordered:
                 assert ids == sorted(ids)
+            stamps = [m.assignment.reclamation_penalty_dollars for m in group]  # (NaN counted once)
+            want = {p for p in stamps if p == p} | ({"nan"} if any(p != p for p in stamps) else set())
+            assert {p if p == p else "nan" for p in group.reclamation_penalties} == want
 
 
 def test_add_get_remove() -> None:
@@ -258,3 +261,26 @@ def test_shape_groups_know_when_they_are_in_id_order() -> None:
     inv.add(valid_machine("m9", S.IDLE))
     assert ordered(S.IDLE) == [True]
     check_indexes(inv)
+
+
+def test_shape_groups_count_their_penalty_stamps() -> None:
+    """Each (state, shape) group knows its distinct reclamation penalty stamps (every NaN as one), so the
+    engine's cold index build knows a group's penalty order without reading its records."""
+    nan = float("nan")
+    inv = Inventory([valid_machine(f"m{i}", S.IDLE, assigned_reclamation_penalty_dollars=p)
+                     for i, p in enumerate((0.0, 3.0, 3.0, nan, float("nan")))])
+
+    def pens() -> list[float]:
+        (_, group), = inv.by_state(S.IDLE).by_shape()
+        return sorted(group.reclamation_penalties, key=lambda p: (p == p, p))
+
+    got = pens()
+    assert len(got) == 3 and got[0] != got[0] and got[1:] == [0.0, 3.0]
+    inv.remove("m3")
+    assert len(pens()) == 3  # one NaN left
+    inv.remove("m4")
+    inv.update("m1", assigned_reclamation_penalty_dollars=0.0)
+    assert pens() == [0.0, 3.0]
+    inv.remove("m2")
+    assert pens() == [0.0]
+    assert inv.copy().by_state(S.IDLE).by_shape()[0][1].reclamation_penalties == {0.0: 0}.keys()

@@ -186,8 +186,10 @@ def _index_class(ix: Index, c: MClass, by_state: dict[MachineState, Collection[M
             _file_by_fingerprint(ix.creating, list(raw))
             continue
         group = _id_sorted(raw)
+        # an `Inventory` group knows its distinct penalty stamps: no record is read to find them
+        pens: Collection[float] | None = getattr(raw, "reclamation_penalties", None)
         if st is S.IDLE or st is S.SPECULATIVE:
-            _sort_pool_from_id(group)
+            _sort_pool_from_id(group, pens)
             sti = int(st)
             ix.pool[(sti, ci)] = group
             n_cl = len(group) - list(map(_CLUSTER, group)).count("")
@@ -198,27 +200,22 @@ def _index_class(ix: Index, c: MClass, by_state: dict[MachineState, Collection[M
                 ix.idle_by_type.setdefault(int(c.capacity_type), []).extend(group)
                 _file_by_fingerprint(ix.reserved_idle, group)
         elif st is S.CONFIGURED:
-            conf = list(group)
-            # the assignments (read once from the records) seed Phase 2's victim order; penalties come
-            # from the shared assignment objects, which is far cheaper than a second record pass
-            assignments = list(map(_ASSIGNMENT, conf))
-            ix.configured_by_class[ci] = conf
-            ix.victims[ci] = VictimOrders(ix.configured_ver.get(ci, 0), conf, assignments)
-            _index_bound(ix, ci, CONFIGURED, group, list(map(_A_RECL, assignments)))
+            ix.configured_by_class[ci] = list(group)
+            _index_bound(ix, ci, CONFIGURED, group, pens)
         elif st is S.CONFIGURING:
-            _index_bound(ix, ci, CONFIGURING, group)
+            _index_bound(ix, ci, CONFIGURING, group, pens)
         elif st is S.DRAINING:
             ix.draining_by_class[ci] = group
     if free:
         ix.free_count[ci] = free
 
 
-def _index_bound(ix: Index, ci: int, sti: int, id_sorted: list[Machine], recl: list[float] | None = None) -> None:
-    """Split one class's CONFIGURED/CONFIGURING machines (given in id order; `recl`: their raw
+def _index_bound(ix: Index, ci: int, sti: int, id_sorted: list[Machine], pens: Collection[float] | None) -> None:
+    """Split one class's CONFIGURED/CONFIGURING machines (given in id order; `pens`: their distinct
     reclamation stamps, when known) by cluster, each part in keep order: sorted once for the whole
     class, then a stable C-level sort by cluster."""
     keep = id_sorted
-    _sort_keep_from_id(keep, recl)
+    _sort_keep_from_id(keep, pens)
     keep.sort(key=_CLUSTER)
     bound = ix.bound
     cc = ix.configured_count
@@ -279,15 +276,16 @@ _RECL = attrgetter("assignment.reclamation_penalty_dollars")
 _CLUSTER = attrgetter("cluster")
 _FP = attrgetter("assignment.need_fingerprint")
 _ASSIGNMENT = attrgetter("assignment")
-_A_RECL = attrgetter("reclamation_penalty_dollars")
 _STATE_ORDER = tuple(MachineState)
 
 
-def _plain_penalties(lst: list[Machine], recl: list[float] | None = None) -> bool | None:
+def _plain_penalties(lst: list[Machine], distinct: Collection[float] | None = None) -> bool | None:
     """True: one penalty throughout (not NaN); False: several, all ≥ 0 and none NaN (so a C-level
-    sort on the raw stamp orders as `m_reclamation` does); None: some NaN or negative."""
-    if recl is None:
-        recl = list(map(_RECL, lst))
+    sort on the raw stamp orders as `m_reclamation` does); None: some NaN or negative. `distinct`:
+    the list's distinct stamps, when known (then no record is read)."""
+    recl = list(map(_RECL, lst)) if distinct is None else list(distinct)
+    if distinct is not None and len(recl) == 1:
+        return True if recl[0] == recl[0] else None
     first = recl[0]
     if first == first and recl.count(first) == len(recl):
         return True
@@ -296,22 +294,22 @@ def _plain_penalties(lst: list[Machine], recl: list[float] | None = None) -> boo
     return False
 
 
-def _sort_pool_from_id(lst: list[Machine]) -> None:
+def _sort_pool_from_id(lst: list[Machine], pens: Collection[float] | None = None) -> None:
     """`pool_key` order (reclamation asc, id) of a list already in id order (stable C-level sort)."""
     if len(lst) < 2:
         return
-    plain = _plain_penalties(lst)
+    plain = _plain_penalties(lst, pens)
     if plain is None:
         lst.sort(key=pool_key)
     elif plain is False:
         lst.sort(key=_RECL)
 
 
-def _sort_keep_from_id(lst: list[Machine], recl: list[float] | None = None) -> None:
+def _sort_keep_from_id(lst: list[Machine], pens: Collection[float] | None = None) -> None:
     """`keep_key` order (reclamation desc, id) of a list already in id order (stable C-level sort)."""
     if len(lst) < 2:
         return
-    plain = _plain_penalties(lst, recl)
+    plain = _plain_penalties(lst, pens)
     if plain is None:
         lst.sort(key=keep_key)
     elif plain is False:
@@ -452,12 +450,11 @@ class VictimOrders:
     #: priorities) and simply rebuilt
     MAX_ORDERS: ClassVar[int] = 8
 
-    def __init__(self, ver: int, machines: list[Machine], assignments: list[Assignment] | None = None) -> None:
+    def __init__(self, ver: int, machines: list[Machine]) -> None:
         self.ver = ver
         self.machines = machines
-        #: each machine's stamped assignment, in `machines` order (the only per-machine record pass;
-        #: the cold index build hands over the list it already made)
-        self.assignments = list(map(_ASSIGNMENT, machines)) if assignments is None else assignments
+        #: each machine's stamped assignment, in `machines` order (the only per-machine record pass)
+        self.assignments: list[Assignment] = list(map(_ASSIGNMENT, machines))
         self.aids: list[int] = []
         #: id() → assignment, one per distinct assignment object (machines share them)
         self.distinct: dict[int, Assignment] = {}
@@ -467,7 +464,7 @@ class VictimOrders:
         self.by_bounds: dict[tuple[int, ...], VictimStream | None] = {}
 
     def prepare(self) -> None:
-        """Distinct assignments and priorities, on first use (a build seeds many that are never used)."""
+        """Distinct assignments and priorities (once per version of the class's Configured set)."""
         if self.aids or not self.assignments:
             return
         aids = self.aids = list(map(id, self.assignments))

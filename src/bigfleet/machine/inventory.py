@@ -15,6 +15,9 @@ from bigfleet.machine.record import Machine, MachineShape
 from bigfleet.machine.state import ALL_STATES, MachineState, check_transition
 from bigfleet.machine.validate import check_invariant
 
+#: every NaN penalty stamp is counted under this one object (a dict finds a NaN key by identity only)
+_NAN = float("nan")
+
 
 class UnknownMachine(KeyError):
     """No machine with that id is in the inventory."""
@@ -29,11 +32,14 @@ class ShapeGroup(Collection[Machine]):
     ascending id order (the inventory tracks that per group at O(1) a write, so a consumer needing
     id order, like the decision engine's cold index build, can skip a sort that reads every record)."""
 
-    __slots__ = ("_g", "id_ordered")
+    __slots__ = ("_g", "id_ordered", "reclamation_penalties")
 
-    def __init__(self, g: dict[str, Machine], id_ordered: bool) -> None:
+    def __init__(self, g: dict[str, Machine], id_ordered: bool, penalties: Collection[float]) -> None:
         self._g = g
         self.id_ordered = id_ordered
+        #: the distinct stamped reclamation penalties of these machines (any NaN as one NaN): tells a
+        #: consumer whether they all share one, without reading every record
+        self.reclamation_penalties = penalties
 
     def __len__(self) -> int:
         return len(self._g)
@@ -48,11 +54,13 @@ class ShapeGroup(Collection[Machine]):
 class StateView(Collection[Machine]):
     """Live, read-only view of the machines in one state (grouped by shape internally)."""
 
-    __slots__ = ("_groups", "_unordered")
+    __slots__ = ("_groups", "_penalties", "_unordered")
 
-    def __init__(self, groups: dict[MachineShape, dict[str, Machine]], unordered: set[MachineShape] | None = None) -> None:
+    def __init__(self, groups: dict[MachineShape, dict[str, Machine]], unordered: set[MachineShape],
+                 penalties: dict[MachineShape, dict[float, int]]) -> None:
         self._groups = groups
         self._unordered = unordered
+        self._penalties = penalties
 
     def __len__(self) -> int:
         return sum(len(g) for g in self._groups.values())
@@ -76,8 +84,8 @@ class StateView(Collection[Machine]):
     def by_shape(self) -> list[tuple[MachineShape, ShapeGroup]]:
         """``(shape, machines)`` per distinct shape: every machine of a group is interchangeable, so a
         consumer (the decision engine's index) can file a whole group at once."""
-        unordered = self._unordered
-        return [(shape, ShapeGroup(g, unordered is not None and shape not in unordered))
+        unordered, penalties = self._unordered, self._penalties
+        return [(shape, ShapeGroup(g, shape not in unordered, penalties[shape].keys()))
                 for shape, g in self._groups.items()]
 
 
@@ -89,7 +97,7 @@ class Inventory:
     by `by_state` are live; copy them before mutating the inventory while iterating.
     """
 
-    __slots__ = ("_by_cluster", "_by_state", "_generation", "_machines", "_unordered")
+    __slots__ = ("_by_cluster", "_by_state", "_generation", "_machines", "_penalties", "_unordered")
 
     def __init__(self, machines: Iterable[Machine] = ()) -> None:
         self._machines: dict[str, Machine] = {}
@@ -97,6 +105,8 @@ class Inventory:
         self._by_cluster: dict[str, dict[str, Machine]] = {}
         #: per state, the shape groups whose ids were not inserted in ascending order
         self._unordered: dict[MachineState, set[MachineShape]] = {s: set() for s in MachineState}
+        #: per state and shape group, how many machines carry each reclamation penalty stamp
+        self._penalties: dict[MachineState, dict[MachineShape, dict[float, int]]] = {s: {} for s in MachineState}
         self._generation = 0
         for m in machines:
             self.add(m)
@@ -192,9 +202,16 @@ class Inventory:
         bucket = groups.get(shape)
         if bucket is None:
             bucket = groups[shape] = {}
-        elif mid < next(reversed(bucket)):  # (the last key, O(1))
-            self._unordered[m.state].add(shape)
+            pens = self._penalties[m.state][shape] = {}
+        else:
+            if mid < next(reversed(bucket)):  # (the last key, O(1))
+                self._unordered[m.state].add(shape)
+            pens = self._penalties[m.state][shape]
         bucket[mid] = m
+        p = m.assignment.reclamation_penalty_dollars
+        if p != p:
+            p = _NAN
+        pens[p] = pens.get(p, 0) + 1
         if m.cluster:
             c = self._by_cluster.get(m.cluster)
             if c is None:
@@ -210,7 +227,18 @@ class Inventory:
         del bucket[mid]
         if not bucket:
             del groups[shape]
+            del self._penalties[m.state][shape]
             self._unordered[m.state].discard(shape)
+        else:
+            pens = self._penalties[m.state][shape]
+            p = m.assignment.reclamation_penalty_dollars
+            if p != p:
+                p = _NAN
+            left = pens[p] - 1
+            if left:
+                pens[p] = left
+            else:
+                del pens[p]
         if m.cluster:
             c = self._by_cluster[m.cluster]
             del c[mid]
@@ -260,7 +288,7 @@ class Inventory:
 
     def by_state(self, state: MachineState) -> StateView:
         """Machines in `state` (live view; no particular order, sort by id if order matters)."""
-        return StateView(self._by_state[state], self._unordered[state])
+        return StateView(self._by_state[state], self._unordered[state], self._penalties[state])
 
     def by_cluster(self, cluster_id: str, state: MachineState | None = None) -> list[Machine]:
         """Machines bound to `cluster_id` (optionally only those in `state`)."""
@@ -315,5 +343,6 @@ class Inventory:
         inv._by_state = {s: {lab: dict(g) for lab, g in d.items()} for s, d in self._by_state.items()}
         inv._by_cluster = {c: dict(d) for c, d in self._by_cluster.items()}
         inv._unordered = {s: set(u) for s, u in self._unordered.items()}
+        inv._penalties = {s: {sh: dict(c) for sh, c in d.items()} for s, d in self._penalties.items()}
         inv._generation = self._generation
         return inv
