@@ -124,7 +124,8 @@ def test_lazy_victim_stream_equals_the_keyed_sort() -> None:
     """Phase 2 reads a class's candidates from a lazy stream (one (score, priority) bucket at a time,
     cached per tiering and replayed): the same machines, in the same order and with the same keys, as
     sorting by the per-machine key, however far it was read before; a cold build's streams (seeded
-    with the build's assignments) and an index maintained machine by machine agree."""
+    with an `Inventory` group's distinct assignments, then scanning the records lazily) and an index
+    maintained machine by machine agree."""
     import random
     from itertools import islice
 
@@ -135,15 +136,17 @@ def test_lazy_victim_stream_equals_the_keyed_sort() -> None:
 
     rnd = random.Random(7)
     for _ in range(150):
-        ms = [machine(f"m{i:03d}", S.CONFIGURED, cluster=rnd.choice("xyz"), price=rnd.choice((0.0, 1.5, 36.0)),
+        ms = [machine(f"m{i:04d}", S.CONFIGURED, cluster=rnd.choice("xyz"), price=rnd.choice((0.0, 1.5, 36.0)),
                       prio=rnd.choice((0, 100, 499_999, 899_999, 950_000, 1_000_000)),
                       ipd=rnd.choice((0.0, 1.0, 64.0, float("nan"), -3.0, float("inf"))),
                       rpd=rnd.choice((0.0, 8.0, 64.0)), fp=rnd.choice(("", "a", "b")))
-              for i in rnd.sample(range(500), rnd.randint(0, 40))]
+              for i in rnd.sample(range(5000), rnd.choice((rnd.randint(0, 40), 900)))]  # (900: chunked scans)
         warm = Index()
         for m in ms:
             add_machine(warm, m)
-        for ix in (build_index(ms), warm):
+        inv = Inventory(ms)  # (its groups seed each class's distinct assignments: streams scan lazily)
+        seeded = build_index(inv.machines(), [(st, sh, g) for st in S for sh, g in inv.by_state(st).by_shape()])
+        for ix in (build_index(ms), warm, seeded):
             for _ in range(3):
                 bounds = _grace_bounds(rnd.choice((500_000, 1_000_000)))
                 key = _tier_key_for(bounds)

@@ -186,8 +186,9 @@ def _index_class(ix: Index, c: MClass, by_state: dict[MachineState, Collection[M
             _file_by_fingerprint(ix.creating, list(raw))
             continue
         group = _id_sorted(raw)
-        # an `Inventory` group knows its distinct penalty stamps: no record is read to find them
-        pens: Collection[float] | None = getattr(raw, "reclamation_penalties", None)
+        # an `Inventory` group knows its distinct assignments: no record is read for penalty stamps
+        seed: Collection[Assignment] | None = getattr(raw, "assignments", None)
+        pens = None if seed is None else [a.reclamation_penalty_dollars for a in seed]
         if st is S.IDLE or st is S.SPECULATIVE:
             _sort_pool_from_id(group, pens)
             sti = int(st)
@@ -200,7 +201,9 @@ def _index_class(ix: Index, c: MClass, by_state: dict[MachineState, Collection[M
                 ix.idle_by_type.setdefault(int(c.capacity_type), []).extend(group)
                 _file_by_fingerprint(ix.reserved_idle, group)
         elif st is S.CONFIGURED:
-            ix.configured_by_class[ci] = list(group)
+            conf = ix.configured_by_class[ci] = list(group)
+            if seed is not None:  # (Phase 2 then scans only as far as it takes victims)
+                ix.victims[ci] = VictimOrders(ix.configured_ver.get(ci, 0), conf, seed)
             _index_bound(ix, ci, CONFIGURED, group, pens)
         elif st is S.CONFIGURING:
             _index_bound(ix, ci, CONFIGURING, group, pens)
@@ -444,20 +447,23 @@ class VictimOrders:
     """One class's CONFIGURED machines (id order) and their stamped `Assignment`s, with the victim
     streams of each priority tiering built from them (see `victim_stream`)."""
 
-    __slots__ = ("aids", "assignments", "by_bounds", "by_cuts", "distinct", "machines", "prios", "ver")
+    __slots__ = ("aids", "assignments", "by_bounds", "by_cuts", "distinct", "machines", "prios", "seeded", "ver")
 
     #: distinct tierings (and bounds tuples) kept per class; more are rare (needs come in a few
     #: priorities) and simply rebuilt
     MAX_ORDERS: ClassVar[int] = 8
 
-    def __init__(self, ver: int, machines: list[Machine]) -> None:
+    def __init__(self, ver: int, machines: list[Machine], seed: Collection[Assignment] | None = None) -> None:
         self.ver = ver
         self.machines = machines
+        #: `seed`: the machines' distinct assignments, known without reading them (an `Inventory`
+        #: group's, at a cold build); streams then scan the records lazily instead
+        self.seeded = seed is not None
         #: each machine's stamped assignment, in `machines` order (the only per-machine record pass)
-        self.assignments: list[Assignment] = list(map(_ASSIGNMENT, machines))
+        self.assignments: list[Assignment] = [] if seed is not None else list(map(_ASSIGNMENT, machines))
         self.aids: list[int] = []
         #: id() → assignment, one per distinct assignment object (machines share them)
-        self.distinct: dict[int, Assignment] = {}
+        self.distinct: dict[int, Assignment] = {} if seed is None else {id(a): a for a in seed}
         #: distinct stamped priorities, ascending
         self.prios: list[int] = []
         self.by_cuts: dict[tuple[int, ...], VictimStream | None] = {}
@@ -465,6 +471,10 @@ class VictimOrders:
 
     def prepare(self) -> None:
         """Distinct assignments and priorities (once per version of the class's Configured set)."""
+        if self.seeded:
+            if not self.prios:
+                self.prios = sorted({a.priority for a in self.distinct.values()})
+            return
         if self.aids or not self.assignments:
             return
         aids = self.aids = list(map(id, self.assignments))
@@ -489,7 +499,7 @@ class VictimStream:
     needs (and cycles, until the class's Configured set changes) replay them.
     """
 
-    __slots__ = ("_aids", "_buckets", "_machines", "_next", "items")
+    __slots__ = ("_aids", "_buckets", "_chunk", "_machines", "_members", "_next", "_pos", "items")
 
     def __init__(self, vo: VictimOrders, key: VictimKey) -> None:
         keyed: dict[tuple[float, int], list[int]] = {}
@@ -502,8 +512,35 @@ class VictimStream:
         self._machines = vo.machines
         self._next = 0
         self.items: list[VictimItem] = []
+        #: seeded (no per-machine assignment list): each bucket's assignments, matched by value while
+        #: the records are scanned in growing chunks from `_pos`
+        self._members: list[set[Assignment]] | None = None
+        if vo.seeded:
+            self._members = [{vo.distinct[aid] for aid in aids} for _, aids in self._buckets]
+        self._pos = 0
+        self._chunk = 256
+
+    def _scan(self, members: list[set[Assignment]]) -> bool:
+        """The next chunk's members of the current bucket (a bucket is done when the scan ends)."""
+        ms = self._machines
+        while self._next < len(members):
+            if self._pos >= len(ms):
+                self._next += 1
+                self._pos, self._chunk = 0, 256
+                continue
+            chunk = ms[self._pos:self._pos + self._chunk]
+            self._pos += self._chunk
+            self._chunk = min(self._chunk * 2, 1 << 16)
+            sel = list(compress(chunk, map(members[self._next].__contains__, map(_ASSIGNMENT, chunk))))
+            if sel:
+                score, prio = self._buckets[self._next][0]
+                self.items.extend(zip(repeat(score), repeat(prio), map(_ID, sel), sel))
+                return True
+        return False
 
     def _extend(self) -> bool:
+        if self._members is not None:
+            return self._scan(self._members)
         r = self._next
         if r >= len(self._buckets):
             return False

@@ -11,11 +11,11 @@ from itertools import chain
 from typing import Any
 
 from bigfleet.machine.labels import Labels
-from bigfleet.machine.record import Machine, MachineShape
+from bigfleet.machine.record import Assignment, Machine, MachineShape
 from bigfleet.machine.state import ALL_STATES, MachineState, check_transition
 from bigfleet.machine.validate import check_invariant
 
-#: every NaN penalty stamp is counted under this one object (a dict finds a NaN key by identity only)
+#: every NaN penalty stamp is reported as this one object (a set finds a NaN by identity only)
 _NAN = float("nan")
 
 
@@ -32,14 +32,19 @@ class ShapeGroup(Collection[Machine]):
     ascending id order (the inventory tracks that per group at O(1) a write, so a consumer needing
     id order, like the decision engine's cold index build, can skip a sort that reads every record)."""
 
-    __slots__ = ("_g", "id_ordered", "reclamation_penalties")
+    __slots__ = ("_g", "assignments", "id_ordered")
 
-    def __init__(self, g: dict[str, Machine], id_ordered: bool, penalties: Collection[float]) -> None:
+    def __init__(self, g: dict[str, Machine], id_ordered: bool, assignments: Collection[Assignment]) -> None:
         self._g = g
         self.id_ordered = id_ordered
-        #: the distinct stamped reclamation penalties of these machines (any NaN as one NaN): tells a
-        #: consumer whether they all share one, without reading every record
-        self.reclamation_penalties = penalties
+        #: the distinct stamped assignments of these machines (equal ones once): what they were stamped
+        #: with, known without reading every record (the engine's penalty orders and victim scores)
+        self.assignments = assignments
+
+    @property
+    def reclamation_penalties(self) -> set[float]:
+        """The distinct stamped reclamation penalties (any NaN as one NaN)."""
+        return {p if p == p else _NAN for p in (a.reclamation_penalty_dollars for a in self.assignments)}
 
     def __len__(self) -> int:
         return len(self._g)
@@ -57,7 +62,7 @@ class StateView(Collection[Machine]):
     __slots__ = ("_groups", "_penalties", "_unordered")
 
     def __init__(self, groups: dict[MachineShape, dict[str, Machine]], unordered: set[MachineShape],
-                 penalties: dict[MachineShape, dict[float, int]]) -> None:
+                 penalties: dict[MachineShape, dict[Assignment, int]]) -> None:
         self._groups = groups
         self._unordered = unordered
         self._penalties = penalties
@@ -105,8 +110,8 @@ class Inventory:
         self._by_cluster: dict[str, dict[str, Machine]] = {}
         #: per state, the shape groups whose ids were not inserted in ascending order
         self._unordered: dict[MachineState, set[MachineShape]] = {s: set() for s in MachineState}
-        #: per state and shape group, how many machines carry each reclamation penalty stamp
-        self._penalties: dict[MachineState, dict[MachineShape, dict[float, int]]] = {s: {} for s in MachineState}
+        #: per state and shape group, how many machines carry each (distinct) stamped assignment
+        self._penalties: dict[MachineState, dict[MachineShape, dict[Assignment, int]]] = {s: {} for s in MachineState}
         self._generation = 0
         for m in machines:
             self.add(m)
@@ -208,10 +213,8 @@ class Inventory:
                 self._unordered[m.state].add(shape)
             pens = self._penalties[m.state][shape]
         bucket[mid] = m
-        p = m.assignment.reclamation_penalty_dollars
-        if p != p:
-            p = _NAN
-        pens[p] = pens.get(p, 0) + 1
+        a = m.assignment
+        pens[a] = pens.get(a, 0) + 1
         if m.cluster:
             c = self._by_cluster.get(m.cluster)
             if c is None:
@@ -231,14 +234,12 @@ class Inventory:
             self._unordered[m.state].discard(shape)
         else:
             pens = self._penalties[m.state][shape]
-            p = m.assignment.reclamation_penalty_dollars
-            if p != p:
-                p = _NAN
-            left = pens[p] - 1
+            a = m.assignment  # (the very object counted in `_index`: found by identity even with NaN stamps)
+            left = pens[a] - 1
             if left:
-                pens[p] = left
+                pens[a] = left
             else:
-                del pens[p]
+                del pens[a]
         if m.cluster:
             c = self._by_cluster[m.cluster]
             del c[mid]
