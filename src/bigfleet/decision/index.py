@@ -456,8 +456,8 @@ class VictimOrders:
     def __init__(self, ver: int, machines: list[Machine], seed: Collection[Assignment] | None = None) -> None:
         self.ver = ver
         self.machines = machines
-        #: `seed`: the machines' distinct assignments, known without reading them (an `Inventory`
-        #: group's, at a cold build); streams then scan the records lazily instead
+        #: `seed`: the machines' distinct assignment objects, known without reading them (an
+        #: `Inventory` group's, at a cold build); streams then scan the records lazily instead
         self.seeded = seed is not None
         #: each machine's stamped assignment, in `machines` order (the only per-machine record pass)
         self.assignments: list[Assignment] = [] if seed is not None else list(map(_ASSIGNMENT, machines))
@@ -512,15 +512,15 @@ class VictimStream:
         self._machines = vo.machines
         self._next = 0
         self.items: list[VictimItem] = []
-        #: seeded (no per-machine assignment list): each bucket's assignments, matched by value while
-        #: the records are scanned in growing chunks from `_pos`
-        self._members: list[set[Assignment]] | None = None
+        #: seeded (no per-machine assignment list): each bucket's assignment ids, matched while the
+        #: records are scanned in growing chunks from `_pos`
+        self._members: list[set[int]] | None = None
         if vo.seeded:
-            self._members = [{vo.distinct[aid] for aid in aids} for _, aids in self._buckets]
+            self._members = [set(aids) for _, aids in self._buckets]
         self._pos = 0
         self._chunk = 256
 
-    def _scan(self, members: list[set[Assignment]]) -> bool:
+    def _scan(self, members: list[set[int]]) -> bool:
         """The next chunk's members of the current bucket (a bucket is done when the scan ends)."""
         ms = self._machines
         while self._next < len(members):
@@ -531,7 +531,7 @@ class VictimStream:
             chunk = ms[self._pos:self._pos + self._chunk]
             self._pos += self._chunk
             self._chunk = min(self._chunk * 2, 1 << 16)
-            sel = list(compress(chunk, map(members[self._next].__contains__, map(_ASSIGNMENT, chunk))))
+            sel = list(compress(chunk, map(members[self._next].__contains__, map(id, map(_ASSIGNMENT, chunk)))))
             if sel:
                 score, prio = self._buckets[self._next][0]
                 self.items.extend(zip(repeat(score), repeat(prio), map(_ID, sel), sel))

@@ -27,6 +27,27 @@ class DuplicateMachine(ValueError):
     """`Inventory.add` of an id that is already present."""
 
 
+class _Bucket(dict[str, Machine]):
+    """One (state, shape) group's id → record table, plus what the engine's cold index build would
+    otherwise read every record for, kept at O(1) a write without hashing a shape or an assignment:
+    whether ids were inserted in ascending order, and the distinct assignment objects' counts."""
+
+    __slots__ = ("ordered", "stamps")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ordered = True
+        #: id(assignment) → [assignment, machines carrying it] (records hold the objects, so ids stay valid)
+        self.stamps: dict[int, list[Any]] = {}
+
+    def clone(self) -> _Bucket:
+        b = _Bucket()
+        b.update(self)
+        b.ordered = self.ordered
+        b.stamps = {k: list(v) for k, v in self.stamps.items()}
+        return b
+
+
 class ShapeGroup(Collection[Machine]):
     """Live, read-only view of the machines of one shape in one state. `id_ordered`: they iterate in
     ascending id order (the inventory tracks that per group at O(1) a write, so a consumer needing
@@ -34,12 +55,12 @@ class ShapeGroup(Collection[Machine]):
 
     __slots__ = ("_g", "assignments", "id_ordered")
 
-    def __init__(self, g: dict[str, Machine], id_ordered: bool, assignments: Collection[Assignment]) -> None:
+    def __init__(self, g: _Bucket) -> None:
         self._g = g
-        self.id_ordered = id_ordered
-        #: the distinct stamped assignments of these machines (equal ones once): what they were stamped
-        #: with, known without reading every record (the engine's penalty orders and victim scores)
-        self.assignments = assignments
+        self.id_ordered = g.ordered
+        #: the distinct stamped assignment objects of these machines: what they were stamped with,
+        #: known without reading every record (the engine's penalty orders and victim scores)
+        self.assignments: list[Assignment] = [v[0] for v in g.stamps.values()]
 
     @property
     def reclamation_penalties(self) -> set[float]:
@@ -59,13 +80,10 @@ class ShapeGroup(Collection[Machine]):
 class StateView(Collection[Machine]):
     """Live, read-only view of the machines in one state (grouped by shape internally)."""
 
-    __slots__ = ("_groups", "_penalties", "_unordered")
+    __slots__ = ("_groups",)
 
-    def __init__(self, groups: dict[MachineShape, dict[str, Machine]], unordered: set[MachineShape],
-                 penalties: dict[MachineShape, dict[Assignment, int]]) -> None:
+    def __init__(self, groups: dict[MachineShape, _Bucket]) -> None:
         self._groups = groups
-        self._unordered = unordered
-        self._penalties = penalties
 
     def __len__(self) -> int:
         return sum(len(g) for g in self._groups.values())
@@ -89,9 +107,7 @@ class StateView(Collection[Machine]):
     def by_shape(self) -> list[tuple[MachineShape, ShapeGroup]]:
         """``(shape, machines)`` per distinct shape: every machine of a group is interchangeable, so a
         consumer (the decision engine's index) can file a whole group at once."""
-        unordered, penalties = self._unordered, self._penalties
-        return [(shape, ShapeGroup(g, shape not in unordered, penalties[shape].keys()))
-                for shape, g in self._groups.items()]
+        return [(shape, ShapeGroup(g)) for shape, g in self._groups.items()]
 
 
 class Inventory:
@@ -102,16 +118,12 @@ class Inventory:
     by `by_state` are live; copy them before mutating the inventory while iterating.
     """
 
-    __slots__ = ("_by_cluster", "_by_state", "_generation", "_machines", "_penalties", "_unordered")
+    __slots__ = ("_by_cluster", "_by_state", "_generation", "_machines")
 
     def __init__(self, machines: Iterable[Machine] = ()) -> None:
         self._machines: dict[str, Machine] = {}
-        self._by_state: dict[MachineState, dict[MachineShape, dict[str, Machine]]] = {s: {} for s in MachineState}
+        self._by_state: dict[MachineState, dict[MachineShape, _Bucket]] = {s: {} for s in MachineState}
         self._by_cluster: dict[str, dict[str, Machine]] = {}
-        #: per state, the shape groups whose ids were not inserted in ascending order
-        self._unordered: dict[MachineState, set[MachineShape]] = {s: set() for s in MachineState}
-        #: per state and shape group, how many machines carry each (distinct) stamped assignment
-        self._penalties: dict[MachineState, dict[MachineShape, dict[Assignment, int]]] = {s: {} for s in MachineState}
         self._generation = 0
         for m in machines:
             self.add(m)
@@ -206,15 +218,16 @@ class Inventory:
         shape = m.shape
         bucket = groups.get(shape)
         if bucket is None:
-            bucket = groups[shape] = {}
-            pens = self._penalties[m.state][shape] = {}
-        else:
-            if mid < next(reversed(bucket)):  # (the last key, O(1))
-                self._unordered[m.state].add(shape)
-            pens = self._penalties[m.state][shape]
+            bucket = groups[shape] = _Bucket()
+        elif bucket.ordered and mid < next(reversed(bucket)):  # (the last key, O(1))
+            bucket.ordered = False
         bucket[mid] = m
         a = m.assignment
-        pens[a] = pens.get(a, 0) + 1
+        got = bucket.stamps.get(id(a))
+        if got is None:
+            bucket.stamps[id(a)] = [a, 1]
+        else:
+            got[1] += 1
         if m.cluster:
             c = self._by_cluster.get(m.cluster)
             if c is None:
@@ -230,16 +243,12 @@ class Inventory:
         del bucket[mid]
         if not bucket:
             del groups[shape]
-            del self._penalties[m.state][shape]
-            self._unordered[m.state].discard(shape)
         else:
-            pens = self._penalties[m.state][shape]
-            a = m.assignment  # (the very object counted in `_index`: found by identity even with NaN stamps)
-            left = pens[a] - 1
-            if left:
-                pens[a] = left
-            else:
-                del pens[a]
+            k = id(m.assignment)  # (the very object counted in `_index`)
+            got = bucket.stamps[k]
+            got[1] -= 1
+            if not got[1]:
+                del bucket.stamps[k]
         if m.cluster:
             c = self._by_cluster[m.cluster]
             del c[mid]
@@ -289,7 +298,7 @@ class Inventory:
 
     def by_state(self, state: MachineState) -> StateView:
         """Machines in `state` (live view; no particular order, sort by id if order matters)."""
-        return StateView(self._by_state[state], self._unordered[state], self._penalties[state])
+        return StateView(self._by_state[state])
 
     def by_cluster(self, cluster_id: str, state: MachineState | None = None) -> list[Machine]:
         """Machines bound to `cluster_id` (optionally only those in `state`)."""
@@ -341,9 +350,7 @@ class Inventory:
         """An independent inventory holding the same (immutable) records: a cheap per-cycle snapshot."""
         inv = Inventory()
         inv._machines = dict(self._machines)
-        inv._by_state = {s: {lab: dict(g) for lab, g in d.items()} for s, d in self._by_state.items()}
+        inv._by_state = {s: {lab: g.clone() for lab, g in d.items()} for s, d in self._by_state.items()}
         inv._by_cluster = {c: dict(d) for c, d in self._by_cluster.items()}
-        inv._unordered = {s: set(u) for s, u in self._unordered.items()}
-        inv._penalties = {s: {sh: dict(c) for sh, c in d.items()} for s, d in self._penalties.items()}
         inv._generation = self._generation
         return inv
