@@ -34,7 +34,7 @@ def canon(x: Any) -> Any:
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return (type(x).__name__, tuple((f.name, canon(getattr(x, f.name))) for f in dataclasses.fields(x)
                                         if f.name not in _SKIP_STATS))
-    if isinstance(x, dict) or hasattr(x, "items") and callable(x.items):
+    if isinstance(x, dict) or (hasattr(x, "items") and callable(x.items)):
         return tuple(sorted((repr(canon(k)), canon(v)) for k, v in x.items()))
     if isinstance(x, (set, frozenset)):
         return tuple(sorted(repr(canon(v)) for v in x))

@@ -274,3 +274,78 @@ async def test_paced_frames_are_built_per_tick_from_the_newest_cycle() -> None:
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def _reference_verdict(n: Any, row: tuple[Any, ...], cycle: int, bound: int, coming: int, unit: Resources | None,
+                       err: str, escalation_after: int) -> shard_pb2.NeedVerdict:
+    """A frame line built the way the sender did before it compared plain values: through the
+    ShardRead NeedView (`_fill_from_row`), field by field."""
+    from bigfleet.shard.readsvc import _fill_from_row
+
+    view = shardread_pb2.NeedView()
+    _fill_from_row(view, row, cycle)
+    v = shard_pb2.NeedVerdict(fingerprint=n.fingerprint, satisfied=view.satisfied, unmet_reason=view.unmet_reason,
+                              machines_bound=bound, machines_coming=coming)
+    if not view.satisfied:
+        v.shortfall_age_cycles = view.age_cycles_unmet
+        v.escalated = view.age_cycles_unmet > escalation_after
+        v.deficit.CopyFrom(view.residual_deficit)
+        v.matching_supply.CopyFrom(view.matching_supply)
+        v.machines_missing = machines_missing(Resources.parse(dict(view.residual_deficit.resources)),
+                                              unit if unit else n.min_unit)
+        v.victims_found = view.preemption.victims_found
+    if err:
+        v.bootstrap_error = err[:1024]
+    return v
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_frame_lines_equal_the_need_view_built_ones(seed: int) -> None:
+    """Property: over random verdicts (every reason, deficits, supply, victims, bootstrap errors), each
+    frame line is the one the NeedView route builds, byte for byte (shortfall seconds aside: no clock)."""
+    import random
+
+    rnd = random.Random(seed)
+    cycle = rnd.randint(1, 50)
+    protos = [need(str(rnd.randint(1, 8)), priority=p, zone=rnd.choice([None, "z1", "z9"])) for p in range(6)]
+    needs = [need_from_proto(pb, "c1", 1) for pb in protos]
+    table = NeedsTable()
+    table.replace("c1", needs, 1)
+    view = MachineView()
+    reg, sess = _registry("c1")
+    failures: dict[tuple[str, str], str] = {}
+    s = NeedVerdictSender(reg, view, lambda: table, set(), failures, ShardMetrics(new_registry()), 5,
+                          lambda *_: None, lambda: 0.0, paced=False)
+    verdicts, rows = [], {}
+    for i, n in enumerate(needs):
+        if rnd.random() < 0.5:
+            view.set(machine(f"m{i}", rnd.choice([S.MACHINE_STATE_CONFIGURED, S.MACHINE_STATE_CONFIGURING]), "c1",
+                             n.fingerprint))
+        if rnd.random() < 0.3:
+            failures[("c1", n.fingerprint)] = "boom " * rnd.randint(1, 300)
+        ok = rnd.random() < 0.3
+        reason = UnmetReason.SATISFIED if ok else rnd.choice(list(UnmetReason)[1:])
+        v = Verdict(cluster_id="c1", fingerprint=n.fingerprint, satisfied=ok,
+                    deficit=Resources({} if ok else {"cpu": rnd.randint(1, 90_000), "memory": rnd.randint(0, 2**36)}),
+                    claimed_count=rnd.randint(0, 3), bootstrap_count=0, provision_count=0, same_domain="",
+                    same_satisfiable=False, parked=False, parked_age_cycles=0,
+                    age_cycles_unmet=0 if ok else rnd.randint(1, cycle), unmet_reason=reason,
+                    matching_supply=MatchingSupply(idle=rnd.randint(0, 4), configured=rnd.randint(0, 4),
+                                                   speculative=rnd.randint(0, 4), capped=rnd.random() < 0.5),
+                    victims_found=rnd.randint(0, 9),
+                    capacity_freed=Resources({"cpu": 1000}) if rnd.random() < 0.5 else None)
+        verdicts.append(v)
+        rows[("c1", n.fingerprint)] = verdict_row(v, cycle)
+    s.after_cycle(record(cycle, verdicts, rnd.random() < 0.5, cycle * 1_000_000_000))
+    (frame,) = sess["c1"].frames
+    machines = s._machines("c1", ())
+    by_fp = {n.fingerprint: n for n in needs}
+    assert len(frame.need_verdicts.verdicts) == len(needs)
+    for got in frame.need_verdicts.verdicts:
+        n = by_fp[got.fingerprint]
+        bound, coming, unit = machines.get(n.fingerprint, (0, 0, None))
+        want = _reference_verdict(n, rows[("c1", n.fingerprint)], cycle, bound, coming, unit,
+                                  failures.get(("c1", n.fingerprint), ""), 5)
+        got.ClearField("shortfall_age_seconds")
+        assert got == want
+        assert got.SerializeToString(deterministic=True) == want.SerializeToString(deterministic=True)

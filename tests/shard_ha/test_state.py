@@ -163,3 +163,22 @@ def test_a_snapshot_from_an_earlier_release_restores_with_defaults() -> None:
     del s.__dict__["retiring"]  # (as pickled by a release without the field)
     back = pickle.loads(pickle.dumps(s))
     assert back.epoch == 4 and back.retiring == {}
+
+
+async def test_carried_state_writes_coalesce_while_cycles_run_back_to_back() -> None:
+    """The first state goes at once; states saved within the write gap collapse into the newest."""
+    s = HAState()
+    e = s.claim(1, "a", "A")
+    store = ReplicatedStore(LocalLog(s), e, write_gap=0.5)
+    try:
+        for c in range(1, 6):
+            store.save_engine_state(EngineState(cycle=c))
+            await asyncio.sleep(0.01)
+        assert store.engine_writes == 1 and s.carried().cycle == 1
+        for _ in range(300):
+            if store.engine_writes >= 2:
+                break
+            await asyncio.sleep(0.01)
+        assert store.engine_writes == 2 and s.carried().cycle == 5  # cycles 2-4 were never written
+    finally:
+        await store.close()

@@ -8,17 +8,20 @@ upstream broker's "as if one pass in priority order".
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 from bigfleet.needs import Need, NeedsTable
 from bigfleet.needs.penalty import bucket_dollars
 
-from .acquire import acquire, acquire_spread
+from .acquire import Plan, acquire, acquire_plan, acquire_spread, take_plan
 from .credit import credit_plain
+from .index import CONFIGURED, CONFIGURING
 from .same_domain import credit_same
 from .scratch import CycleScratch, NeedRow
 from .types import (
     EngineState,
 )
+from .vec import Vec
 
 
 def needs_by_cluster(needs: Sequence[Need] | NeedsTable) -> dict[str, tuple[Need, ...]]:
@@ -34,6 +37,9 @@ def needs_by_cluster(needs: Sequence[Need] | NeedsTable) -> dict[str, tuple[Need
     return {c: tuple(v) for c, v in out.items()}
 
 
+_SAME = attrgetter("same")
+
+
 def credit_all(cy: CycleScratch, rows: list[NeedRow], state: EngineState, gangs_first: bool = False) -> None:
     """Pass 1: credit bound supply (and in-flight reservations) in precedence order.
 
@@ -41,28 +47,38 @@ def credit_all(cy: CycleScratch, rows: list[NeedRow], state: EngineState, gangs_
     need can use any matching machine, a gang only the ones in its domain, so letting the plain
     need go first can take a gang's own machines and make it re-acquire elsewhere (need swapping).
     """
-    if gangs_first:
+    if gangs_first and any(map(_SAME, rows)):  # (rows come in precedence order: without gangs, a no-op)
         rows = sorted(rows, key=lambda r: (-r.prio, r.same is None))  # stable: precedence order within
+    ix = cy.ix
+    bound, creating, reserved = ix.bound, ix.creating, ix.reserved_idle
     for n in rows:
         if n.same is not None:
             credit_same(cy, n, state.same_domains.get(n.park_key))
-        else:
+            continue
+        # A plain need of a cluster with nothing bound, and nothing in flight for its fingerprint,
+        # has nothing to credit (every need of a bootstrapping cluster): skip the call.
+        b = bound.get(n.cluster)
+        if (b and (b.get(CONFIGURED) or b.get(CONFIGURING))) or creating.get(n.fp) or reserved.get(n.fp):
             credit_plain(cy, n)
 
 
 def acquire_all(cy: CycleScratch, rows: list[NeedRow]) -> None:
-    """Pass 2: acquire Idle then Speculative for what is left, in precedence order."""
+    """Pass 2: acquire Idle then Speculative for what is left, in precedence order. A plain need's
+    plan depends only on its requirements, MinUnit and interruption bucket (memoised by fingerprint)."""
+    plans: dict[tuple[str, Vec], Plan] = {}
     for n in rows:
         if not any(n.remaining) or n.parked:
             continue
-        penalty = bucket_dollars(n.ib)
-        classes = cy.eligible(n)
         if n.same is not None:
             if not n.same_domain:
                 continue
             dom_classes = next((cl for v, cl in cy.domains(n, n.same.key) if v == n.same_domain), [])
-            acquire(cy, n, dom_classes, penalty)
+            acquire(cy, n, dom_classes, bucket_dollars(n.ib))
         elif n.spreads:
-            acquire_spread(cy, n, classes, penalty)
+            acquire_spread(cy, n, cy.eligible(n), bucket_dollars(n.ib))
         else:
-            acquire(cy, n, classes, penalty)
+            pk = (n.fp, n.minu)
+            plan = plans.get(pk)
+            if plan is None:
+                plan = plans[pk] = acquire_plan(cy, cy.eligible(n), bucket_dollars(n.ib))
+            take_plan(cy, n, plan)

@@ -5,13 +5,13 @@ Neither escapes one `decide` call; a cached cluster keeps its rows, never the sc
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from operator import attrgetter
 from typing import Any
 
 from bigfleet.machine.record import Machine
 from bigfleet.machine.state import MachineState
-from bigfleet.needs import Need, Operator, Requirement, TopologySpread
+from bigfleet.needs import Need, Operator, Profile, Requirement, Resources, TopologySpread
 
 from .index import (
     Index,
@@ -66,39 +66,24 @@ class NeedRow:
         "victims",
     )
 
-    def __init__(self, need: Need, members: list[Need], dims: tuple[str, ...]) -> None:
-        p = need.profile
+    def __init__(self, need: Need, members: list[Need], info: ProfileInfo, agg: Vec, minu: Vec, zero: Vec) -> None:
+        fp, self.reqs, self.prio, self.ib, self.rb, group, self.same, self.spreads, o_prio, o_ib, o_rb = info
         self.need = need
         self.members = members
-        self.cluster = need.cluster_id
-        self.fp = p.fingerprint()
-        self.reqs = p.requirements
-        self.prio = int(p.priority)
-        self.ib = int(p.interruption_bucket)
-        self.rb = int(p.reclamation_bucket)
-        self.group = p.group
-        same: Requirement | None = None
-        for r in p.requirements:
-            if r.operator is Operator.SAME:
-                same = r
-                break
-        self.same = same
-        #: every DoNotSchedule spread term (a gang's Same supersedes them)
-        self.spreads: tuple[TopologySpread, ...] = (
-            tuple(s for s in p.spread if s.strict) if same is None else ())
-        am = need.aggregate_resources._map
-        self.agg: Vec = tuple([am.get(d, 0) for d in dims])
-        mm = need.min_unit._map
-        self.minu: Vec = tuple([mm.get(d, 0) for d in dims])
-        self.arrival = need.arrival_unix_nanos
-        self.order = (-self.prio, -(self.ib if self.ib > 1 else 1), -(self.rb if self.rb > 1 else 1), self.arrival,
-                      self.cluster, self.fp)
-        self.key = self.cluster + "\x00" + self.fp
-        self.park_key = self.cluster + "\x00" + self.group + "\x00" + self.fp
+        c = self.cluster = need.cluster_id
+        self.fp = fp
+        self.group = group
+        self.agg = agg
+        self.minu = minu
+        arrival = self.arrival = need.arrival_unix_nanos
+        self.order = (o_prio, o_ib, o_rb, arrival, c, fp)
+        self.key = c + "\x00" + fp
+        #: (read for Same rows only: parking and sticky domains are per gang)
+        self.park_key = "" if self.same is None else c + "\x00" + group + "\x00" + fp
         self.parked = False
         self.park_age = 0
-        self.remaining: Vec = self.agg
-        self.p1_remaining: Vec = self.agg
+        self.remaining = agg
+        self.p1_remaining = agg
         self.reserved_credit = False
         self.claimed: list[Machine] = []
         self.credited = 0
@@ -107,8 +92,77 @@ class NeedRow:
         self.same_domain = ""
         self.same_sat = False
         self.victims = 0
-        self.freed: Vec = tuple([0] * len(dims))
+        self.freed = zero
         self.unmet_age = 0
+
+
+#: what a row takes from its profile: (fingerprint, requirements, priority, interruption bucket,
+#: reclamation bucket, group, Same requirement, strict spreads, then the three order-key prefixes)
+ProfileInfo = tuple[str, tuple[Requirement, ...], int, int, int, str, Requirement | None,
+                    tuple[TopologySpread, ...], int, int, int]
+
+
+def profile_info(p: Profile) -> ProfileInfo:
+    """Everything a row derives from its profile alone (needs of many clusters share few profiles)."""
+    same: Requirement | None = None
+    for r in p.requirements:
+        if r.operator is Operator.SAME:
+            same = r
+            break
+    prio, ib, rb = int(p.priority), int(p.interruption_bucket), int(p.reclamation_bucket)
+    #: every DoNotSchedule spread term (a gang's Same supersedes them)
+    spreads = tuple(s for s in p.spread if s.strict) if same is None else ()
+    return (p.fingerprint(), p.requirements, prio, ib, rb, p.group, same, spreads,
+            -prio, -(ib if ib > 1 else 1), -(rb if rb > 1 else 1))
+
+
+class RowMaker:
+    """Builds a cycle's `NeedRow`s: profile-derived fields once per fingerprint and resource vectors
+    once per distinct vector, so a row costs its own few fields, not its profile's."""
+
+    def __init__(self, dims: tuple[str, ...]) -> None:
+        self.dims = dims
+        self.zero: Vec = tuple([0] * len(dims))
+        self.infos: dict[str, ProfileInfo] = {}
+        self.vecs: dict[tuple[tuple[str, int], ...], Vec] = {}
+
+    def info(self, p: Profile) -> ProfileInfo:
+        got = self.infos.get(p._fingerprint)
+        if got is None:
+            got = self.infos[p._fingerprint] = profile_info(p)
+        return got
+
+    def same_of(self, p: Profile) -> Requirement | None:
+        return self.info(p)[6]
+
+    def vec(self, r: Resources) -> Vec:
+        items = r._items
+        got = self.vecs.get(items)
+        if got is None:
+            m = r._map
+            got = self.vecs[items] = tuple([m.get(d, 0) for d in self.dims])
+        return got
+
+    def rows(self, raw: list[tuple[Need, list[Need]]]) -> list[NeedRow]:
+        return [self.row(nd, members, self.info(nd.profile)) for nd, members in raw]
+
+    def row(self, nd: Need, members: list[Need], info: ProfileInfo) -> NeedRow:
+        return NeedRow(nd, members, info, self.vec(nd.aggregate_resources), self.vec(nd.min_unit), self.zero)
+
+    def plain_rows(self, needs: Sequence[Need], infos: list[ProfileInfo]) -> list[NeedRow]:
+        """One row per need (no folding), `infos` their profiles' infos: the per-need loop inlined."""
+        vecs, vec, zero = self.vecs, self.vec, self.zero
+        out = []
+        for nd, info in zip(needs, infos, strict=True):
+            agg, minu = nd.aggregate_resources, nd.min_unit
+            a = vecs.get(agg._items)
+            if a is None:
+                a = vec(agg)
+            mu = vecs.get(minu._items)
+            if mu is None:
+                mu = vec(minu)
+            out.append(NeedRow(nd, [nd], info, a, mu, zero))
+        return out
 
 
 class CycleScratch:
@@ -137,7 +191,9 @@ class CycleScratch:
         self.awaited: set[str] = set()
         self.zero: Vec = tuple(0 for _ in dims)
         self._eligible: dict[tuple[tuple[Requirement, ...], Vec], list[MClass]] = {}
-        self._eligible_set: dict[tuple[tuple[Requirement, ...], Vec], set[int]] = {}
+        self._eligible_fp: dict[tuple[str, Vec], list[MClass]] = {}
+        #: keyed by id() of the eligible list (which `_eligible` holds for the whole cycle)
+        self._eligible_set: dict[int, set[int]] = {}
         # Caches keyed by id() of a list also hold that list, so the id cannot be reused by another
         # object while the entry exists (a hit is also checked by identity).
         self.ordered_groups: dict[tuple[int, int, float], tuple[list[MClass], list[list[MClass]]]] = {}
@@ -146,7 +202,7 @@ class CycleScratch:
         self.rcur: dict[tuple[int, int], int] = {}
         self.merged_keep_order: dict[int, tuple[Any, list[tuple[MClass, Machine]]]] = {}
         self.mcur: dict[int, int] = {}
-        self._domains: dict[tuple[tuple[Requirement, ...], Vec, str], list[tuple[str, list[MClass]]]] = {}
+        self._domains: dict[tuple[int, str], list[tuple[str, list[MClass]]]] = {}
         self.supply_memo: dict[int, tuple[list[MClass], MatchingSupply]] = {}
         self._price_rank: list[int] | None = None
         self._class_rank: list[int] | None = None
@@ -180,7 +236,14 @@ class CycleScratch:
             self.pool_ver[key[1]] = self.pool_ver.get(key[1], 0) + 1
 
     def eligible(self, n: NeedRow) -> list[MClass]:
-        """Classes matching the need's requirements whose allocatable covers its MinUnit (cached)."""
+        """Classes matching the need's requirements whose allocatable covers its MinUnit (cached).
+
+        Looked up by (fingerprint, MinUnit) first: a fingerprint determines the requirements, and
+        hashing a string is cheap where hashing a requirement tuple is a Python call per requirement.
+        The list itself is shared by every need with equal requirements (callers cache by its id)."""
+        got = self._eligible_fp.get((n.fp, n.minu))
+        if got is not None:
+            return got
         k = (n.reqs, n.minu)
         got = self._eligible.get(k)
         if got is None:
@@ -188,6 +251,7 @@ class CycleScratch:
             minu = n.minu
             got = [c for c in self.ix.matched_classes(n.reqs) if covers(alloc[c.idx], minu)]
             self._eligible[k] = got
+        self._eligible_fp[(n.fp, n.minu)] = got
         return got
 
     def price_rank(self) -> list[int]:
@@ -212,19 +276,20 @@ class CycleScratch:
         return self._class_rank
 
     def eligible_set(self, n: NeedRow) -> set[int]:
-        k = (n.reqs, n.minu)
-        got = self._eligible_set.get(k)
+        classes = self.eligible(n)
+        got = self._eligible_set.get(id(classes))
         if got is None:
-            got = self._eligible_set[k] = {c.idx for c in self.eligible(n)}
+            got = self._eligible_set[id(classes)] = {c.idx for c in classes}
         return got
 
     def domains(self, n: NeedRow, key: str) -> list[tuple[str, list[MClass]]]:
         """Eligible classes grouped by their value of `key` (classes without the key dropped)."""
-        k = (n.reqs, n.minu, key)
+        classes = self.eligible(n)
+        k = (id(classes), key)  # (the eligible list lives as long as the scratch: its id is stable)
         got = self._domains.get(k)
         if got is None:
             by: dict[str, list[MClass]] = {}
-            for c in self.eligible(n):
+            for c in classes:
                 v = c.attrs.get(key)
                 if v is not None:
                     by.setdefault(v, []).append(c)

@@ -13,10 +13,11 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, ClassVar, Generic, TypeVar
 
-from pysyncobj import FAIL_REASON, SyncObj
+from pysyncobj import FAIL_REASON
 
 from bigfleet.raft.consumer import LockedConsumer
 from bigfleet.raft.errors import RaftError, fail_reason
+from bigfleet.raft.pipelined import PipelinedSyncObj
 from bigfleet.raft.settings import RaftSettings, sync_obj_conf
 
 S = TypeVar("S")
@@ -33,7 +34,7 @@ class RaftBridge(Generic[S]):
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         self._repl = consumer
         conf = sync_obj_conf(cfg, self.journal_file, self.dump_file)
-        self._obj = SyncObj(cfg.self_address, cfg.other_peers(), conf, consumers=[consumer])
+        self._obj = PipelinedSyncObj(cfg.self_address, cfg.other_peers(), conf, consumers=[consumer])
         self._self_address = cfg.self_address
 
     # ------------------------------------------------------------- status

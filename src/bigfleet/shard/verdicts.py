@@ -33,16 +33,17 @@ import bisect
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from bigfleet.machine import MachineState
 from bigfleet.needs import Need, NeedsTable, Resources
 from bigfleet.observability import get_logger
+from bigfleet.shard.engineproc import row_age, row_resources, verdict_row
 from bigfleet.shard.metrics import ShardMetrics
-from bigfleet.shard.readsvc import _fill_from_row, _fill_from_verdict
 from bigfleet.shard.sessions import SessionRegistry
 from bigfleet.shard.view import MachineView
-from bigfleet.v1alpha1 import shard_pb2, shardread_pb2
+from bigfleet.v1alpha1 import shard_pb2
 
 if TYPE_CHECKING:
     from bigfleet.shard.daemon import CycleRecord
@@ -55,16 +56,39 @@ _COMING = frozenset({M.CREATING, M.CONFIGURING})
 _MAX_NODE_NAME = 253
 
 
-def machines_missing(deficit: Resources, unit: Resources) -> int:
+def machines_missing(deficit: Resources | Iterable[tuple[str, int]], unit: Resources) -> int:
     """Machines of size ``unit`` the deficit amounts to on its scarcest dimension (at least 1).
 
     Dimensions the unit does not have are ignored (a machine that serves the need has them all)."""
     worst = 1
-    for name, milli in deficit.items():
+    for name, milli in (deficit.items() if isinstance(deficit, Resources) else deficit):
         size = unit.get(name)
         if size > 0:
             worst = max(worst, math.ceil(milli / size))
     return min(worst, 2**31 - 1)
+
+
+@dataclass(slots=True)
+class _Entry:
+    """One need's line of a verdict frame, as plain values: what the change test compares."""
+
+    fingerprint: str
+    satisfied: bool
+    reason: int
+    bound: int
+    coming: int
+    error: str
+    age: int = 0
+    since: int = -1
+    escalated: bool = False
+    deficit: tuple[tuple[str, int], ...] = ()
+    supply: tuple[Any, ...] = (0, 0, 0, False)
+    missing: int = 0
+    victims: int = 0
+
+    def key(self) -> tuple[Any, ...]:
+        return (self.fingerprint, self.satisfied, self.reason, self.bound, self.coming, self.missing,
+                self.escalated, self.since, self.victims, self.error, self.deficit, self.supply[:3])
 
 
 class _CycleClock:
@@ -263,65 +287,85 @@ class NeedVerdictSender:
 
     def _cluster_frame(self, rec: CycleRecord, rows: Mapping[RowKey, Any], cluster_id: str,
                        reserved: Iterable[str], now: float) -> shard_pb2.ShardMessage | None:
+        """The cluster's frame, or None when it has no session or nothing changed (ages aside).
+
+        The change test runs on plain values from the verdict rows; protos are built only for a
+        frame that is sent (building each candidate's protos first was most of the sender's cost)."""
         if cluster_id in self.frozen_clusters or self.sessions.get(cluster_id) is None:
             return None
         needs: tuple[Need, ...] = self.table().cluster(cluster_id)
         cycle = rec.decision.state.cycle if rec.decision is not None else 0
         machines = self._machines(cluster_id, reserved) if needs else {}
-        frame = shard_pb2.NeedVerdicts(supersedes_key=f"verdicts:{cluster_id}", cluster_id=cluster_id,
-                                       cycle=cycle, computed_at_unix_nanos=rec.computed_at_unix_nanos)
-        digest: list[tuple[Any, ...]] = []
-        unmet_any = False
+        entries: list[_Entry] = []
         escalates_at: int | None = None
         for n in needs:
             r = rows.get((cluster_id, n.fingerprint))
             if r is None:
                 continue  # not decided on yet (a roll-up newer than the cycle)
-            view = shardread_pb2.NeedView()
-            if isinstance(r, tuple):
-                _fill_from_row(view, r, cycle)
-            else:
-                _fill_from_verdict(view, r)
-            bound, coming, unit = machines.get(n.fingerprint, (0, 0, None))
-            v = frame.verdicts.add(fingerprint=n.fingerprint, satisfied=view.satisfied,
-                                   unmet_reason=view.unmet_reason, machines_bound=bound, machines_coming=coming)
-            since = -1
-            if not view.satisfied:
-                unmet_any = True
-                age = view.age_cycles_unmet
-                since = cycle - age
-                v.shortfall_age_cycles = age
-                wall = self.cycle_clock.wall_of(since)
-                if wall is not None:
-                    v.shortfall_age_seconds = max(0, (rec.computed_at_unix_nanos - wall) // 1_000_000_000)
-                v.escalated = age > self.escalation_after
-                if not v.escalated:
-                    at = since + self.escalation_after + 1
-                    escalates_at = at if escalates_at is None else min(escalates_at, at)
-                v.deficit.CopyFrom(view.residual_deficit)
-                v.matching_supply.CopyFrom(view.matching_supply)
-                deficit = Resources.parse(dict(view.residual_deficit.resources))
-                v.machines_missing = machines_missing(deficit, unit if unit else n.min_unit)
-                v.victims_found = view.preemption.victims_found
-            err = self.bootstrap_failures.get((cluster_id, n.fingerprint), "")
-            if err:
-                v.bootstrap_error = err[:1024]
-            digest.append((n.fingerprint, v.satisfied, int(v.unmet_reason), bound, coming, v.machines_missing,
-                           v.escalated, since, v.victims_found, v.bootstrap_error,
-                           tuple(sorted(v.deficit.resources.items())),
-                           (v.matching_supply.idle, v.matching_supply.configured, v.matching_supply.speculative)))
+            e = self._entry(n, r if isinstance(r, tuple) else verdict_row(r, cycle), cycle, machines)
+            entries.append(e)
+            if not e.satisfied and not e.escalated:
+                at = e.since + self.escalation_after + 1
+                escalates_at = at if escalates_at is None else min(escalates_at, at)
+        unmet_any = any(not e.satisfied for e in entries)
         (self._unmet.add if unmet_any else self._unmet.discard)(cluster_id)
         if escalates_at is not None:
             self._escalates_at[cluster_id] = escalates_at
         else:
             self._escalates_at.pop(cluster_id, None)
-        key = tuple(digest)
+        key = tuple(e.key() for e in entries)
         stale = unmet_any and now - self._sent_at.get(cluster_id, float("-inf")) >= self.refresh
         if self._digest.get(cluster_id) == key and not stale:
             return None
         self._digest[cluster_id] = key
         self._sent_at[cluster_id] = now
+        frame = shard_pb2.NeedVerdicts(supersedes_key=f"verdicts:{cluster_id}", cluster_id=cluster_id,
+                                       cycle=cycle, computed_at_unix_nanos=rec.computed_at_unix_nanos)
+        for e in entries:
+            self._fill(frame.verdicts.add(), e, rec.computed_at_unix_nanos)
         return shard_pb2.ShardMessage(need_verdicts=frame)
+
+    def _entry(self, n: Need, row: tuple[Any, ...], cycle: int, machines: Mapping[str, list[Any]]) -> _Entry:
+        """One need's verdict as plain values (row layout: engineproc.verdict_row)."""
+        satisfied = bool(row[0])
+        reason = int(row[9])
+        bound, coming, unit = machines.get(n.fingerprint, (0, 0, None))
+        e = _Entry(n.fingerprint, satisfied, reason if reason <= 4 else 0, bound, coming,
+                   self.bootstrap_failures.get((n.cluster_id, n.fingerprint), "")[:1024])
+        if not satisfied:
+            e.age = row_age(row[8], cycle)
+            e.since = cycle - e.age
+            e.escalated = e.age > self.escalation_after
+            e.deficit = tuple(sorted(row[10]))
+            e.supply = tuple(row[11])
+            e.missing = machines_missing(e.deficit, unit if unit else n.min_unit)
+            e.victims = int(row[12]) if e.reason == 4 else 0
+        return e
+
+    def _fill(self, v: shard_pb2.NeedVerdict, e: _Entry, computed_at: int) -> None:
+        v.fingerprint = e.fingerprint
+        v.satisfied = e.satisfied
+        v.unmet_reason = e.reason  # type: ignore[assignment]
+        v.machines_bound = e.bound
+        v.machines_coming = e.coming
+        if not e.satisfied:
+            v.shortfall_age_cycles = e.age
+            wall = self.cycle_clock.wall_of(e.since)
+            if wall is not None:
+                v.shortfall_age_seconds = max(0, (computed_at - wall) // 1_000_000_000)
+            v.escalated = e.escalated
+            v.deficit.SetInParent()
+            v.deficit.resources.update(row_resources(e.deficit))
+            idle, configured, speculative, capped = e.supply
+            v.matching_supply.SetInParent()
+            v.matching_supply.idle = idle
+            v.matching_supply.configured = configured
+            v.matching_supply.speculative = speculative
+            v.matching_supply.capped = capped
+            v.machines_missing = e.missing
+            v.victims_found = e.victims
+        if e.error:
+            v.bootstrap_error = e.error
 
     # -- the paced sender ----------------------------------------------------------------------
 
