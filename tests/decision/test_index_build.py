@@ -52,6 +52,8 @@ def test_grouped_build_equals_machine_by_machine(ms: list[Machine], ns: list, re
     rnd.shuffle(shuffled)
     inv = Inventory(shuffled)
     assert _view(build_index(inv.machines(), _inventory_groups(inv))) == _view(build_index(ms))  # type: ignore[arg-type]
+    in_order = Inventory(sorted(ms, key=lambda m: m.id))  # (its groups say they are id-ordered: no sort)
+    assert _view(build_index(in_order.machines(), _inventory_groups(in_order))) == _view(build_index(ms))  # type: ignore[arg-type]
     state = EngineState(first_rollup=ready)
     assert decide(ns, inv, NOW, state, EngineConfig()) == decide(ns, list(ms), NOW, state, EngineConfig())
 
@@ -68,3 +70,26 @@ def test_odd_penalties_sort_as_the_key_functions() -> None:
     for cluster in ("c0", "c1"):
         (lst,) = ix.bound[cluster][int(S.CONFIGURED)].values()
         assert _ids(lst) == _ids(sorted(lst, key=keep_key))
+    for order in (ms + plain, list(reversed(ms + plain))):  # (groups' penalty stamps known, no record read)
+        inv = Inventory(order)
+        assert _view(build_index(inv.machines(), _inventory_groups(inv))) == _view(ix)  # type: ignore[arg-type]
+
+
+def test_cluster_parts_equal_groupby_for_long_and_short_runs() -> None:
+    """The cold build cuts a class's bound machines into per-cluster parts by binary search when
+    runs are long and by `groupby` when they are short: the same parts either way."""
+    from itertools import groupby
+
+    from bigfleet.decision.index import _cluster_parts, _long_runs
+
+    rnd = random.Random(3)
+    seen = set()
+    for _ in range(200):
+        clusters = [f"c{i:03d}" for i in range(rnd.choice((1, 2, 5, 40, 400)))]
+        n = rnd.choice((1, 10, 63, 64, 65, 300, 2000))
+        ms = sorted((machine(f"m{i:04d}", S.CONFIGURED, cluster=rnd.choice(clusters)) for i in range(n)),
+                    key=lambda m: m.cluster)
+        want = [(c, _ids(list(p))) for c, p in groupby(ms, lambda m: m.cluster)]
+        assert [(c, _ids(p)) for c, p in _cluster_parts(ms)] == want
+        seen.add(n >= 64 and _long_runs(ms))
+    assert seen == {True, False}  # both paths ran

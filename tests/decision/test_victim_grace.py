@@ -117,3 +117,48 @@ def test_bucketed_victim_sort_equals_the_keyed_sort() -> None:
         bounds = _grace_bounds(rnd.choice((500_000, 1_000_000)))
         ms = [m for m in ms if m.assignment.priority < bounds[-1]]  # (the candidates: strictly lower)
         assert _victim_sorter(bounds)(ms) == sorted(ms, key=_tier_key_for(bounds))
+
+
+
+def test_lazy_victim_stream_equals_the_keyed_sort() -> None:
+    """Phase 2 reads a class's candidates from a lazy stream (one (score, priority) bucket at a time,
+    cached per tiering and replayed): the same machines, in the same order and with the same keys, as
+    sorting by the per-machine key, however far it was read before; a cold build's streams (seeded
+    with an `Inventory` group's distinct assignments, then scanning the records lazily) and an index
+    maintained machine by machine agree."""
+    import random
+    from itertools import islice
+
+    from bigfleet.decision.index import Index, add_machine, build_index, victim_stream
+    from bigfleet.decision.preempt import _grace_bounds, _tier_key_for, _victim_key_of
+
+    from .fx import machine
+
+    rnd = random.Random(7)
+    for _ in range(150):
+        ms = [machine(f"m{i:04d}", S.CONFIGURED, cluster=rnd.choice("xyz"), price=rnd.choice((0.0, 1.5, 36.0)),
+                      prio=rnd.choice((0, 100, 499_999, 899_999, 950_000, 1_000_000)),
+                      ipd=rnd.choice((0.0, 1.0, 64.0, float("nan"), -3.0, float("inf"))),
+                      rpd=rnd.choice((0.0, 8.0, 64.0)), fp=rnd.choice(("", "a", "b")))
+              for i in rnd.sample(range(5000), rnd.choice((rnd.randint(0, 40), 900)))]  # (900: chunked scans)
+        warm = Index()
+        for m in ms:
+            add_machine(warm, m)
+        inv = Inventory(ms)  # (its groups seed each class's distinct assignments: streams scan lazily)
+        seeded = build_index(inv.machines(), [(st, sh, g) for st in S for sh, g in inv.by_state(st).by_shape()])
+        for ix in (build_index(ms), warm, seeded):
+            for _ in range(3):
+                bounds = _grace_bounds(rnd.choice((500_000, 1_000_000)))
+                key = _tier_key_for(bounds)
+                for c in ix.classes:
+                    want = sorted((m for m in ms if m.shape == c.shape and m.assignment.priority < bounds[-1]),
+                                  key=key)
+                    vs = victim_stream(ix, c.idx, bounds, _victim_key_of(bounds, c.shape.price_per_hour))
+                    if vs is None:
+                        assert want == []
+                        continue
+                    head = [it[3] for it in islice(vs, rnd.randint(0, 6))]
+                    items = list(vs)
+                    assert [it[3] for it in items] == want
+                    assert head == want[: len(head)]
+                    assert [it[:3] for it in items] == [key(m) for m in want]

@@ -40,6 +40,15 @@ def check_indexes(inv: Inventory) -> None:
         assert bound and all(m.cluster == c and all_ms[m.id] is m for m in bound)
     assert sum(len(inv.by_cluster(c)) for c in inv.clusters()) == sum(1 for m in inv if m.cluster)
     assert sum(n for _, n in inv.label_sets()) == len(inv)
+    for s in S:  # a group that says it iterates in id order does
+        for _, group in inv.by_state(s).by_shape():
+            ids = [m.id for m in group]
+            assert len(group) == len(ids) and all(m in group for m in group)
+            if group.id_ordered:
+                assert ids == sorted(ids)
+            stamps = [m.assignment.reclamation_penalty_dollars for m in group]  # (NaN counted once)
+            want = {p for p in stamps if p == p} | ({"nan"} if any(p != p for p in stamps) else set())
+            assert {p if p == p else "nan" for p in group.reclamation_penalties} == want
 
 
 def test_add_get_remove() -> None:
@@ -229,3 +238,49 @@ def test_every_write_moves_the_record_to_the_end() -> None:
     assert [m.id for m in inv.machines()] == ["m3", "m1", "m0", "m2"]
     inv.add(valid_machine("m9", S.IDLE))
     assert [m.id for m in inv.machines()][-1] == "m9"
+
+
+def test_shape_groups_know_when_they_are_in_id_order() -> None:
+    """A bulk load in id order leaves every (state, shape) group id-ordered (the engine's cold index
+    build then skips a sort); a write that lands out of order clears it for that group only, until
+    the group empties; copies keep it."""
+    inv = Inventory([valid_machine(f"m{i}", S.IDLE) for i in range(5)] +
+                    [valid_machine(f"c{i}", S.CONFIGURED, cluster="c1") for i in range(3)])
+
+    def ordered(state: MachineState) -> list[bool]:
+        return [g.id_ordered for _, g in inv.by_state(state).by_shape()]
+
+    assert ordered(S.IDLE) == [True] and ordered(S.CONFIGURED) == [True]
+    inv.update("m4", node_name="n")  # re-inserted at the end, still the largest id: stays ordered
+    assert ordered(S.IDLE) == [True]
+    inv.update("m1", node_name="n")  # m1 now after m4
+    assert ordered(S.IDLE) == [False] and ordered(S.CONFIGURED) == [True]
+    assert inv.copy().by_state(S.IDLE).by_shape()[0][1].id_ordered is False
+    for i in range(5):
+        inv.remove(f"m{i}")
+    inv.add(valid_machine("m9", S.IDLE))
+    assert ordered(S.IDLE) == [True]
+    check_indexes(inv)
+
+
+def test_shape_groups_count_their_penalty_stamps() -> None:
+    """Each (state, shape) group knows its distinct reclamation penalty stamps (every NaN as one), so the
+    engine's cold index build knows a group's penalty order without reading its records."""
+    nan = float("nan")
+    inv = Inventory([valid_machine(f"m{i}", S.IDLE, assigned_reclamation_penalty_dollars=p)
+                     for i, p in enumerate((0.0, 3.0, 3.0, nan, float("nan")))])
+
+    def pens() -> list[float]:
+        (_, group), = inv.by_state(S.IDLE).by_shape()
+        return sorted(group.reclamation_penalties, key=lambda p: (p == p, p))
+
+    got = pens()
+    assert len(got) == 3 and got[0] != got[0] and got[1:] == [0.0, 3.0]
+    inv.remove("m3")
+    assert len(pens()) == 3  # one NaN left
+    inv.remove("m4")
+    inv.update("m1", assigned_reclamation_penalty_dollars=0.0)
+    assert pens() == [0.0, 3.0]
+    inv.remove("m2")
+    assert pens() == [0.0]
+    assert inv.copy().by_state(S.IDLE).by_shape()[0][1].reclamation_penalties == {0.0: 0}.keys()

@@ -9,13 +9,15 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterable
 from operator import attrgetter
 
-from bigfleet.machine.record import Machine
+from bigfleet.machine.record import Assignment, Machine
 
 from .index import (
     MClass,
+    VictimItem,
+    VictimKey,
     m_interruption,
     m_reclamation,
-    victim_order,
+    victim_stream,
 )
 from .scratch import CycleScratch, NeedRow
 from .types import (
@@ -151,36 +153,52 @@ def _tier_key_for(bounds: tuple[int, ...]) -> Callable[[Machine], _VKey]:
     return tier_key
 
 
+def _victim_key_of(bounds: tuple[int, ...], price: float) -> VictimKey:
+    """A candidate assignment's (score, stamped priority) in a class of this price, as `_tier_key_for`
+    scores its machines; None for a stamp not strictly below the preemptor."""
+    top = bounds[-1]
+
+    def key(a: Assignment) -> tuple[float, int] | None:
+        q = a.priority
+        if q >= top:
+            return None
+        ipd, rpd = a.interruption_penalty_dollars, a.reclamation_penalty_dollars
+        return (victim_score(0.0 if ipd != ipd or ipd < 0 else ipd, 0.0 if rpd != rpd or rpd < 0 else rpd,
+                             _TIER_GRACE[bisect_right(bounds, q)], price), q)
+    return key
+
+
 def _preempt_for(cy: CycleScratch, n: NeedRow, classes: list[MClass], done: _Preemption) -> None:
     """Take the lowest-scored strictly lower-priority victims among `classes` until `n` is covered.
 
-    The candidate lists are in stamped-tier key order. A machine credited this cycle to a need of
+    The candidate streams are in stamped-tier key order. A machine credited this cycle to a need of
     its cluster with a higher priority than its stamp (still below this one) drains with that
     priority's grace, which may be longer: its true key is larger, so it waits in `later` until
     the stream has passed that key (every later machine's true key is at least its stream key).
     Keys are unique: they end in the machine id.
     """
+    if _await_draining(cy, n, classes):
+        return
     ix = cy.ix
     prio = n.prio
     bounds = _grace_bounds(prio)
-    tier_key = _tier_key_for(bounds)
-    lists = [lst for c in classes if c.idx in ix.configured_by_class
-             for lst in (victim_order(ix, c.idx, bounds, _victim_sorter(bounds)),) if lst]
-    if _await_draining(cy, n, classes) or not lists:
+    streams = [vs for c in classes if c.idx in ix.configured_by_class
+               for vs in (victim_stream(ix, c.idx, bounds, _victim_key_of(bounds, c.shape.price_per_hour)),)
+               if vs is not None]
+    if not streams:
         return
     held, victims = cy.held, done.victims
     later: list[tuple[_VKey, Machine, int]] = []
-    stream: Iterable[Machine] = lists[0] if len(lists) == 1 else heapq.merge(*lists, key=tier_key)
-    for m in stream:
+    stream: Iterable[VictimItem] = streams[0] if len(streams) == 1 else heapq.merge(*streams)
+    for score, q, mid, m in stream:  # q < prio: the streams hold only strictly lower stamps
         if not any(n.remaining):
             break
         done.scanned += 1
-        if m.id in victims:
+        if mid in victims:
             continue
-        q = m.assignment.priority  # < prio: the lists hold only strictly lower stamps
         vprio = q
         h = held.get(m.cluster)
-        holder = h.get(m.id) if h is not None else None
+        holder = h.get(mid) if h is not None else None
         if holder is not None:
             if holder is n or holder.prio >= prio:
                 continue
@@ -188,7 +206,7 @@ def _preempt_for(cy: CycleScratch, n: NeedRow, classes: list[MClass], done: _Pre
         if math.isinf(m_interruption(m)):
             continue
         if later:
-            k = tier_key(m)
+            k = (score, q, mid)
             while later and later[0][0] <= k and any(n.remaining):
                 _, lm, lv = heapq.heappop(later)
                 done.take(n, lm, lv)

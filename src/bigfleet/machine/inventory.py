@@ -11,9 +11,12 @@ from itertools import chain
 from typing import Any
 
 from bigfleet.machine.labels import Labels
-from bigfleet.machine.record import Machine, MachineShape
+from bigfleet.machine.record import Assignment, Machine, MachineShape
 from bigfleet.machine.state import ALL_STATES, MachineState, check_transition
 from bigfleet.machine.validate import check_invariant
+
+#: every NaN penalty stamp is reported as this one object (a set finds a NaN by identity only)
+_NAN = float("nan")
 
 
 class UnknownMachine(KeyError):
@@ -24,12 +27,62 @@ class DuplicateMachine(ValueError):
     """`Inventory.add` of an id that is already present."""
 
 
+class _Bucket(dict[str, Machine]):
+    """One (state, shape) group's id → record table, plus what the engine's cold index build would
+    otherwise read every record for, kept at O(1) a write without hashing a shape or an assignment:
+    whether ids were inserted in ascending order, and the distinct assignment objects' counts."""
+
+    __slots__ = ("ordered", "stamps")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ordered = True
+        #: id(assignment) → [assignment, machines carrying it] (records hold the objects, so ids stay valid)
+        self.stamps: dict[int, list[Any]] = {}
+
+    def clone(self) -> _Bucket:
+        b = _Bucket()
+        b.update(self)
+        b.ordered = self.ordered
+        b.stamps = {k: list(v) for k, v in self.stamps.items()}
+        return b
+
+
+class ShapeGroup(Collection[Machine]):
+    """Live, read-only view of the machines of one shape in one state. `id_ordered`: they iterate in
+    ascending id order (the inventory tracks that per group at O(1) a write, so a consumer needing
+    id order, like the decision engine's cold index build, can skip a sort that reads every record)."""
+
+    __slots__ = ("_g", "assignments", "id_ordered")
+
+    def __init__(self, g: _Bucket) -> None:
+        self._g = g
+        self.id_ordered = g.ordered
+        #: the distinct stamped assignment objects of these machines: what they were stamped with,
+        #: known without reading every record (the engine's penalty orders and victim scores)
+        self.assignments: list[Assignment] = [v[0] for v in g.stamps.values()]
+
+    @property
+    def reclamation_penalties(self) -> set[float]:
+        """The distinct stamped reclamation penalties (any NaN as one NaN)."""
+        return {p if p == p else _NAN for p in (a.reclamation_penalty_dollars for a in self.assignments)}
+
+    def __len__(self) -> int:
+        return len(self._g)
+
+    def __iter__(self) -> Iterator[Machine]:
+        return iter(self._g.values())
+
+    def __contains__(self, m: object) -> bool:
+        return isinstance(m, Machine) and self._g.get(m.id) is m
+
+
 class StateView(Collection[Machine]):
     """Live, read-only view of the machines in one state (grouped by shape internally)."""
 
     __slots__ = ("_groups",)
 
-    def __init__(self, groups: dict[MachineShape, dict[str, Machine]]) -> None:
+    def __init__(self, groups: dict[MachineShape, _Bucket]) -> None:
         self._groups = groups
 
     def __len__(self) -> int:
@@ -51,10 +104,10 @@ class StateView(Collection[Machine]):
             merged.setdefault(shape.match_labels, []).append(g.values())
         return [(lab, vs[0] if len(vs) == 1 else list(chain.from_iterable(vs))) for lab, vs in merged.items()]
 
-    def by_shape(self) -> list[tuple[MachineShape, ValuesView[Machine]]]:
+    def by_shape(self) -> list[tuple[MachineShape, ShapeGroup]]:
         """``(shape, machines)`` per distinct shape: every machine of a group is interchangeable, so a
         consumer (the decision engine's index) can file a whole group at once."""
-        return [(shape, g.values()) for shape, g in self._groups.items()]
+        return [(shape, ShapeGroup(g)) for shape, g in self._groups.items()]
 
 
 class Inventory:
@@ -69,7 +122,7 @@ class Inventory:
 
     def __init__(self, machines: Iterable[Machine] = ()) -> None:
         self._machines: dict[str, Machine] = {}
-        self._by_state: dict[MachineState, dict[MachineShape, dict[str, Machine]]] = {s: {} for s in MachineState}
+        self._by_state: dict[MachineState, dict[MachineShape, _Bucket]] = {s: {} for s in MachineState}
         self._by_cluster: dict[str, dict[str, Machine]] = {}
         self._generation = 0
         for m in machines:
@@ -165,8 +218,16 @@ class Inventory:
         shape = m.shape
         bucket = groups.get(shape)
         if bucket is None:
-            bucket = groups[shape] = {}
+            bucket = groups[shape] = _Bucket()
+        elif bucket.ordered and mid < next(reversed(bucket)):  # (the last key, O(1))
+            bucket.ordered = False
         bucket[mid] = m
+        a = m.assignment
+        got = bucket.stamps.get(id(a))
+        if got is None:
+            bucket.stamps[id(a)] = [a, 1]
+        else:
+            got[1] += 1
         if m.cluster:
             c = self._by_cluster.get(m.cluster)
             if c is None:
@@ -182,6 +243,12 @@ class Inventory:
         del bucket[mid]
         if not bucket:
             del groups[shape]
+        else:
+            k = id(m.assignment)  # (the very object counted in `_index`)
+            got = bucket.stamps[k]
+            got[1] -= 1
+            if not got[1]:
+                del bucket.stamps[k]
         if m.cluster:
             c = self._by_cluster[m.cluster]
             del c[mid]
@@ -283,7 +350,7 @@ class Inventory:
         """An independent inventory holding the same (immutable) records: a cheap per-cycle snapshot."""
         inv = Inventory()
         inv._machines = dict(self._machines)
-        inv._by_state = {s: {lab: dict(g) for lab, g in d.items()} for s, d in self._by_state.items()}
+        inv._by_state = {s: {lab: g.clone() for lab, g in d.items()} for s, d in self._by_state.items()}
         inv._by_cluster = {c: dict(d) for c, d in self._by_cluster.items()}
         inv._generation = self._generation
         return inv
