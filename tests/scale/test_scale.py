@@ -103,5 +103,8 @@ def test_tiny_real_run_reports_cycles_acks_and_binds(tmp_path: Path) -> None:
     # demand is half the inventory: machines were bound (through bootstraps the sessions answered)
     assert res["bootstraps_answered"] > 0
     assert sh["inventory"].get("configured", 0) + sh["inventory"].get("configuring", 0) > 0
-    assert sh["provider_rpcs_per_s"].get("Configure", 0) > 0
+    # Provider RPC rates cover the measured window only: every Configure may land in the warm-up
+    # (the configured machines above prove they happened), so the window's rate may be 0.
+    assert "Configure" in sh["provider_rpcs_per_s"], sh["provider_rpcs_per_s"]
+    assert sh["provider_rpcs_per_s"]["List"] > 0
     assert sh["rss_max_mb"] > 0 and sh["cpu_cores"] > 0
