@@ -32,7 +32,7 @@ class _Log:
 async def test_a_lone_write_commits_at_once_alone() -> None:
     log = _Log()
     g: GroupCommit[str] = GroupCommit(log.commit)
-    assert await asyncio.wait_for(g.submit("a", 1), 1.0)
+    assert await asyncio.wait_for(g.submit("a", 1), 10.0)
     assert log.batches == [(("a",), 1)]
 
 
