@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from bench.bench_engine import _table
 from bench.engine import shapes
 from bigfleet.decision import Configure, Create, Decision, Drain, Engine, EngineConfig, EngineState
 from bigfleet.machine import Inventory, MachineState
@@ -49,16 +50,6 @@ def digest(d: Decision) -> str:
     body = (canon(d.actions), canon(d.shortfalls), canon(d.verdicts), canon(d.stats), canon(d.state),
             canon(d.deferred), d.mode)
     return hashlib.sha256(repr(body).encode()).hexdigest()[:16]
-
-
-def _table(needs: list[Any]) -> NeedsTable:
-    t = NeedsTable()
-    by: dict[str, list[Any]] = {}
-    for n in needs:
-        by.setdefault(n.cluster_id, []).append(n)
-    for c, ns in by.items():
-        t.replace(c, ns, 1)
-    return t
 
 
 def _land(inv: Inventory, d: Decision) -> None:

@@ -57,17 +57,7 @@ def next_in_group(cy: CycleScratch, state: int, group: list[MClass]) -> tuple[MC
         c = group[0]
         m = cy.head((state, c.idx))
         return None if m is None else (c, m)
-    gk = (state, id(group))
-    hit = cy.group_heaps.get(gk)
-    h = hit[1] if hit is not None and hit[0] is group else None
-    if h is None:
-        h = []
-        for c in group:
-            m = cy.head((state, c.idx))
-            if m is not None:
-                h.append((m_reclamation(m), m.id, c.idx))
-        heapq.heapify(h)
-        cy.group_heaps[gk] = (group, h)
+    h = _group_heap(cy, state, group)
     classes = cy.ix.classes
     while h:
         _, mid, ci = h[0]
