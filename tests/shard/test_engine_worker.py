@@ -388,3 +388,52 @@ def test_rows_of_needs_that_stay_unmet_are_not_shipped_again_and_ages_read_back(
             row = feed.rows[(v.cluster_id, v.fingerprint)]
             assert row_age(row[8], cycle) + 1 == v.age_cycles_unmet
     assert shipped[0] == len(CLUSTERS) and shipped[2:] == [0, 0, 0, 0]  # ages grow; rows stay the same
+
+
+def gang(cpu: str, count: int, group: str) -> capacity_pb2.CapacityNeed:
+    """A Same-zone gang: with too few machines it stays unmet and parks after a few cycles."""
+    pb = need(cpu, count=count)
+    pb.requirements.append(capacity_pb2.NodeSelectorRequirement(
+        key="topology.kubernetes.io/zone", operator=capacity_pb2.NodeSelectorRequirement.OPERATOR_SAME))
+    pb.group = group
+    return pb
+
+
+@pytest.mark.parametrize("seed", [5, 6, 7])
+def test_rows_of_reused_unmet_clusters_equal_rows_built_afresh(seed: int) -> None:
+    """The worker keeps a reused cluster's rows when its unmet ages moved in step with the cycle:
+    every cycle, the rows it holds equal `verdict_row` of a full `decide` -- also for parked gangs
+    (whose re-issued verdicts keep a parked age that no longer moves) and for the cycle-skipping
+    clusters that changed."""
+    world = World(seed, machines=0)  # (no free supply: unmet clusters are cached and reused)
+    rng = random.Random(seed)
+    config = replace(world.config, park_after_cycles=2, reprobe_every_cycles=0)
+    world.config = config
+
+    def rollup(c: str) -> None:
+        rows = random_rollup(rng, c) or [need("4", count=9)]
+        if c in CLUSTERS[:3]:  # (a gang's cluster is reused only while its domain holds)
+            rows.append(gang(rng.choice(("2", "4")), rng.randint(2, 5), f"g-{c}"))
+        _, ns = rollup_from_proto(capacity_pb2.ClusterCapacityNeeds(cluster_id=c, needs=rows), world.now)
+        world.store.mark_first_rollup(c)
+        world.store.apply_rollup(c, ns, world.now)
+
+    for c in CLUSTERS:
+        rollup(c)
+    feed, core = MirrorFeed(), WorkerCore()
+    reused_unmet = parked = 0
+    for i in range(30):
+        req = world.request(feed)
+        reply = roundtrip(core, req)
+        assert reply.status == "ok", reply.error
+        got = feed.accept(req, reply)
+        want = assert_same(got, feed.rows, reply.hints, world)
+        reused_unmet += core.engine.last_unmet_reused
+        parked += sum(v.parked for v in want.verdicts)
+        # now and then the state comes back without its unmet ages (as from an older snapshot):
+        # reused clusters' ages restart, so their rows must be rebuilt
+        world.store.save_engine_state(got.state if i % 7 != 6 else replace(got.state, unmet_ages={}))
+        world.now += 10 * 1_000_000_000
+        if i % 3 == 0:
+            rollup(rng.choice(CLUSTERS))
+    assert (reused_unmet, parked) > (0, 0) and reused_unmet and parked  # both paths were exercised

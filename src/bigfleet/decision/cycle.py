@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gc
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice, repeat
 from operator import attrgetter, is_, setitem
@@ -158,6 +158,9 @@ class Engine:
         self.last_index_changes = 0
         #: how many reused clusters had unmet needs last cycle (tests check the path is exercised)
         self.last_unmet_reused = 0
+        #: the clusters the last cycle reused from its cache: their verdicts are the previous cycle's,
+        #: the unmet ones re-issued with new `age_cycles_unmet` and every other field the same
+        self.last_reused_clusters: Collection[str] = ()
 
     # --- inventory → index -----------------------------------------------------------------------
 
@@ -362,6 +365,7 @@ class Engine:
         maker = RowMaker(cy.dims)
         fold = FoldMemo()
         self.last_unmet_reused = 0
+        self.last_reused_clusters = split.cached.keys()
         for c in sorted(by_cluster):
             cn = by_cluster[c]
             split.needs_in += len(cn)

@@ -34,7 +34,7 @@ from typing import IO, Any
 
 from bigfleet.decision import Engine
 from bigfleet.decision.consolidation import after_decide
-from bigfleet.decision.types import Decision, EngineConfig, EngineState
+from bigfleet.decision.types import Decision, EngineConfig, EngineState, Verdict
 from bigfleet.machine import Inventory, Machine
 from bigfleet.needs import Need, NeedsTable
 from bigfleet.needs.quantity import format_quantity
@@ -118,6 +118,14 @@ def _since(cycle: int, age: int) -> int:
     return cycle - age if age else -1
 
 
+def _aged_in_step(v: Verdict, last: Verdict, step: int) -> bool:
+    """``v`` (a reused cluster's verdict, equal to ``last`` but for the unmet age) has the same row
+    as ``last`` had ``step`` cycles ago: the unmet age moved by ``step`` and nothing is parked (a
+    re-issued verdict keeps its parked age, whose stored start cycle would move)."""
+    age = v.age_cycles_unmet
+    return not v.parked_age_cycles and (age == last.age_cycles_unmet + step if age else not last.age_cycles_unmet)
+
+
 def row_age(since: int, cycle: int) -> int:
     """An age stored by `verdict_row`, as of ``cycle`` (the cycle of the record holding the row)."""
     return cycle - since if since >= 0 else 0
@@ -174,6 +182,7 @@ class WorkerCore:
         self.state: EngineState | None = None
         self.engine = Engine()
         self._rows: dict[RowKey, tuple[Any, tuple[Any, ...]]] = {}
+        self._rows_cycle = 0  # the engine cycle `_rows` were built at
 
     def handle(self, req: CycleRequest) -> CycleReply:
         if req.base == RESYNC:
@@ -240,21 +249,32 @@ class WorkerCore:
 
     def _row_diff(self, decision: Decision) -> tuple[dict[RowKey, tuple[Any, ...]], list[RowKey]]:
         """Rows of verdicts that changed since the last reply (the engine reuses verdict objects of
-        unchanged clusters, so identity settles most without building a row)."""
+        unchanged clusters, so identity settles most without building a row).
+
+        A reused cluster's unmet verdicts are new objects each cycle, equal to the last ones but for
+        `age_cycles_unmet`; a row stores that age as the cycle it started at, so while the age moved
+        in step with the cycle the row is the last one (at 2 500 unmet needs, building their rows
+        again was a third of the worker's cycle)."""
         prev = self._rows
         cycle = decision.state.cycle
+        step = cycle - self._rows_cycle
+        reused = self.engine.last_reused_clusters
         cur: dict[RowKey, tuple[Any, tuple[Any, ...]]] = {}
+        changed: dict[RowKey, tuple[Any, ...]] = {}
         for v in decision.verdicts:
             k = (v.cluster_id, v.fingerprint)
+            if k in cur:  # (a key repeated in one cycle: the last verdict wins)
+                changed.pop(k, None)
             p = prev.get(k)
-            cur[k] = p if p is not None and p[0] is v else (v, verdict_row(v, cycle))
-        changed: dict[RowKey, tuple[Any, ...]] = {}
-        for k, (_v, row) in cur.items():  # (a key repeated in one cycle: the last verdict wins)
-            p = prev.get(k)
-            if p is None or (p[1] is not row and p[1] != row):
+            if p is not None and (p[0] is v or (v.cluster_id in reused and _aged_in_step(v, p[0], step))):
+                cur[k] = (v, p[1])
+                continue
+            row = verdict_row(v, cycle)
+            cur[k] = (v, row)
+            if p is None or p[1] != row:
                 changed[k] = row
         removed = [k for k in prev if k not in cur]
-        self._rows = cur
+        self._rows, self._rows_cycle = cur, cycle
         return changed, removed
 
 
