@@ -42,7 +42,7 @@ typecheck:
 	$(BIN)/mypy providers/aws/src/bigfleet_provider_aws
 
 test: lint typecheck proto-check
-	$(BIN)/pytest -q -p no:cacheprovider
+	$(BIN)/pytest -q -p no:cacheprovider --durations=25
 
 test-fast:
 	$(BIN)/pytest -q -x -m 'not slow'

@@ -16,6 +16,7 @@ from bigfleet.observability import configure_logging
 from bigfleet.rpc.options import server_options
 from bigfleet.security.metadata import MetadataLimitInterceptor
 from bigfleet.security.tls import TLSConfig, add_tls_arguments, tls_from_args_or_exit
+from bigfleet.shard.runtime import GC_THRESHOLDS
 
 if TYPE_CHECKING:
     from bigfleet.shard.config import ShardSettings
@@ -161,10 +162,6 @@ def main(argv: list[str]) -> int:
         return asyncio.run(serve(settings, tls))
     except KeyboardInterrupt:
         return 0
-
-
-#: gc.set_threshold for a shard process (see main)
-GC_THRESHOLDS = (20_000, 20, 1_000)
 
 
 async def serve(settings: ShardSettings, tls: TLSConfig | None = None) -> int:

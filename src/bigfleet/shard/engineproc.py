@@ -39,6 +39,7 @@ from bigfleet.machine import Inventory, Machine
 from bigfleet.needs import Need, NeedsTable
 from bigfleet.needs.quantity import format_quantity
 from bigfleet.shard import availability
+from bigfleet.shard.runtime import GC_THRESHOLDS, settle_heap
 
 #: ``CycleRequest.base`` of a full resync: drop the mirror, then apply the request.
 RESYNC = -1
@@ -407,6 +408,12 @@ def worker_main(argv: list[str] | None = None) -> int:
     os.dup2(2, 1)  # anything printed by accident goes to the log, not into the reply stream
     inp = os.fdopen(0, "rb")
     core = WorkerCore()
+    # The shard's collector policy: each cycle's survivors (the mirror, the needs that replaced
+    # older ones, the verdict rows) are frozen, so young collections stay small. With the default
+    # thresholds the collector walked them again and again: a quarter of a cycle's CPU at 2 500
+    # unmet needs and no machines (a mirror without machines was never frozen before).
+    gc.set_threshold(*GC_THRESHOLDS)
+    last_full = time.monotonic()
     while True:
         try:
             data = read_frame(inp)
@@ -422,8 +429,8 @@ def worker_main(argv: list[str] | None = None) -> int:
             reply = CycleReply(req.seq, "error", error=f"{type(exc).__name__}: {exc}")
         del req, data
         write_frame(out, pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
-        if core.seq != _INVALID and reply.status == "ok" and len(core.inventory) and gc.get_freeze_count() == 0:
-            gc.freeze()  # the mirror is long-lived: keep the collector from rescanning it
+        if core.seq != _INVALID and reply.status == "ok":
+            last_full = settle_heap(time.monotonic(), last_full)
 
 
 class EngineWorker:

@@ -26,9 +26,26 @@ from bigfleet.shard.metrics import ShardMetrics
 log = get_logger("bigfleet.shard.runtime")
 
 
+#: gc.set_threshold for the shard process and its engine worker: with survivors frozen (below), young
+#: collections stay small and a full one comes only every 1 000 middle ones
+GC_THRESHOLDS = (20_000, 20, 1_000)
+#: how often frozen objects are handed back to the collector (bounds what a freeze can leak)
+UNFREEZE_EVERY = 600.0
+
+
+def settle_heap(now: float, last_unfreeze: float) -> float:
+    """Freeze what survived, after one full collection if `UNFREEZE_EVERY` passed since
+    ``last_unfreeze``; returns when the last full collection ran."""
+    if now - last_unfreeze >= UNFREEZE_EVERY:
+        last_unfreeze = now
+        gc.unfreeze()
+        gc.collect()
+    gc.freeze()
+    return last_unfreeze
+
+
 class HeapSettler:
-    #: how often frozen objects are handed back to the collector (bounds what a freeze can leak)
-    UNFREEZE_EVERY = 600.0
+    UNFREEZE_EVERY = UNFREEZE_EVERY
 
     def __init__(self, metrics: ShardMetrics, clock: Callable[[], float], interval: float = 1.0) -> None:
         self.metrics = metrics
@@ -39,12 +56,7 @@ class HeapSettler:
 
     def settle(self) -> None:
         """Move what survived out of the collector's sight; a full collection now and then."""
-        now = self.clock()
-        if now - self.last_unfreeze >= self.UNFREEZE_EVERY:
-            self.last_unfreeze = now
-            gc.unfreeze()
-            gc.collect()
-        gc.freeze()
+        self.last_unfreeze = settle_heap(self.clock(), self.last_unfreeze)
 
     async def run(self) -> None:
         while True:
