@@ -98,28 +98,6 @@ def test_one_engine_orders_victims_per_preemptor_priority() -> None:
     assert picks == [["v-low"], ["v-high"], ["v-low"]]
 
 
-def test_bucketed_victim_sort_equals_the_keyed_sort() -> None:
-    """Phase 2 sorts a class's candidates by bucketing equal (score, priority) pairs: the same order
-    as sorting by the per-machine key (score, stamped priority, id) on random classes."""
-    import random
-
-    from bigfleet.decision.preempt import _grace_bounds, _tier_key_for, _victim_sorter
-
-    from .fx import machine
-
-    rnd = random.Random(5)
-    for _ in range(200):
-        price = rnd.choice((0.0, 1.5, 36.0))
-        ms = sorted((machine(f"m{i:03d}", S.CONFIGURED, cluster="x", price=price,
-                             prio=rnd.choice((0, 100, 499_999, 899_999, 950_000)),
-                             ipd=rnd.choice((0.0, 1.0, 64.0, float("nan"), -3.0)), rpd=rnd.choice((0.0, 8.0, 64.0)))
-                     for i in rnd.sample(range(500), rnd.randint(0, 40))), key=lambda m: m.id)
-        bounds = _grace_bounds(rnd.choice((500_000, 1_000_000)))
-        ms = [m for m in ms if m.assignment.priority < bounds[-1]]  # (the candidates: strictly lower)
-        assert _victim_sorter(bounds)(ms) == sorted(ms, key=_tier_key_for(bounds))
-
-
-
 def test_lazy_victim_stream_equals_the_keyed_sort() -> None:
     """Phase 2 reads a class's candidates from a lazy stream (one (score, priority) bucket at a time,
     cached per tiering and replayed): the same machines, in the same order and with the same keys, as
@@ -127,10 +105,11 @@ def test_lazy_victim_stream_equals_the_keyed_sort() -> None:
     with an `Inventory` group's distinct assignments, then scanning the records lazily) and an index
     maintained machine by machine agree."""
     import random
+    from bisect import bisect_right
     from itertools import islice
 
     from bigfleet.decision.index import Index, add_machine, build_index, victim_stream
-    from bigfleet.decision.preempt import _grace_bounds, _tier_key_for, _victim_key_of
+    from bigfleet.decision.preempt import _TIER_GRACE, _grace_bounds, _victim_key, _victim_key_of
 
     from .fx import machine
 
@@ -149,7 +128,11 @@ def test_lazy_victim_stream_equals_the_keyed_sort() -> None:
         for ix in (build_index(ms), warm, seeded):
             for _ in range(3):
                 bounds = _grace_bounds(rnd.choice((500_000, 1_000_000)))
-                key = _tier_key_for(bounds)
+
+                def key(m: Machine, bounds: tuple[int, ...] = bounds) -> tuple[float, int, str]:
+                    # (the reference: each machine keyed alone, with its stamped tier's grace)
+                    return _victim_key(m, _TIER_GRACE[bisect_right(bounds, m.assignment.priority)])
+
                 for c in ix.classes:
                     want = sorted((m for m in ms if m.shape == c.shape and m.assignment.priority < bounds[-1]),
                                   key=key)

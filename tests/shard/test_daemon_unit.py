@@ -302,6 +302,8 @@ async def test_heap_is_settled_between_cycles_and_handed_back_periodically() -> 
     import gc
     import weakref
 
+    from bigfleet.shard.runtime import UNFREEZE_EVERY
+
     class Node:
         pass
 
@@ -322,7 +324,7 @@ async def test_heap_is_settled_between_cycles_and_handed_back_periodically() -> 
         await until(lambda: gc.get_freeze_count() > frozen_before, 5.0)
         gc.collect()
         assert gone() is not None  # frozen: out of the collector's sight
-        d.heap.last_unfreeze -= d.heap.UNFREEZE_EVERY  # the periodic hand-back is due
+        d.heap.last_unfreeze -= UNFREEZE_EVERY  # the periodic hand-back is due
         await until(lambda: gone() is None, 5.0)
     finally:
         gc.enable()

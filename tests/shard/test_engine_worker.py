@@ -436,4 +436,4 @@ def test_rows_of_reused_unmet_clusters_equal_rows_built_afresh(seed: int) -> Non
         world.now += 10 * 1_000_000_000
         if i % 3 == 0:
             rollup(rng.choice(CLUSTERS))
-    assert (reused_unmet, parked) > (0, 0) and reused_unmet and parked  # both paths were exercised
+    assert reused_unmet and parked  # both paths were exercised

@@ -6,8 +6,7 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_right
-from collections.abc import Callable, Iterable
-from operator import attrgetter
+from collections.abc import Iterable
 
 from bigfleet.machine.record import Assignment, Machine
 
@@ -114,48 +113,9 @@ def preempt_all(cy: CycleScratch, rows: list[NeedRow], config: EngineConfig, sta
     return done.actions, done.victims
 
 
-def _victim_sorter(bounds: tuple[int, ...]) -> Callable[[list[Machine]], list[Machine]]:
-    """Sort id-ordered candidates by the key `_tier_key_for` gives, without a Python step per machine.
-
-    Within a class the price is one, so a score depends only on the machine's stamped `Assignment`
-    (penalties, priority), which machines share: each distinct assignment is scored once, gets the
-    rank of its (score, stamped priority) bucket, and one stable C-level sort by that rank orders
-    the machines (id order kept within a bucket). Same order as sorting by (score, priority, id).
-    """
-    def order(machines: list[Machine]) -> list[Machine]:
-        if not machines:
-            return []
-        price = machines[0].shape.price_per_hour
-        assignments = list(map(_ASSIGNMENT, machines))
-        keys: dict[int, tuple[float, int]] = {}
-        for a in dict(zip(map(id, assignments), assignments, strict=True)).values():
-            ipd, rpd = a.interruption_penalty_dollars, a.reclamation_penalty_dollars
-            score = victim_score(0.0 if ipd != ipd or ipd < 0 else ipd, 0.0 if rpd != rpd or rpd < 0 else rpd,
-                                 _TIER_GRACE[bisect_right(bounds, a.priority)], price)
-            keys[id(a)] = (score, a.priority)
-        rank_of = {k: r for r, k in enumerate(sorted(set(keys.values())))}
-        rank = {aid: rank_of[k] for aid, k in keys.items()}
-        ranks = list(map(rank.__getitem__, map(id, assignments)))
-        positions = sorted(range(len(machines)), key=ranks.__getitem__)
-        return list(map(machines.__getitem__, positions))
-    return order
-
-
-_ASSIGNMENT = attrgetter("assignment")
-
-
-def _tier_key_for(bounds: tuple[int, ...]) -> Callable[[Machine], _VKey]:
-    """`_victim_key` with the grace of the *stamped* priority's tier, inlined (runs per candidate)."""
-    def tier_key(m: Machine) -> _VKey:
-        q = m.assignment.priority
-        return (victim_score(m_interruption(m), m_reclamation(m), _TIER_GRACE[bisect_right(bounds, q)],
-                             m.shape.price_per_hour), q, m.id)
-    return tier_key
-
-
 def _victim_key_of(bounds: tuple[int, ...], price: float) -> VictimKey:
-    """A candidate assignment's (score, stamped priority) in a class of this price, as `_tier_key_for`
-    scores its machines; None for a stamp not strictly below the preemptor."""
+    """A candidate assignment's (score, stamped priority) in a class of this price: `_victim_key` with
+    the grace of the stamped priority's tier; None for a stamp not strictly below the preemptor."""
     top = bounds[-1]
 
     def key(a: Assignment) -> tuple[float, int] | None:

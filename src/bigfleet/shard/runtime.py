@@ -45,8 +45,6 @@ def settle_heap(now: float, last_unfreeze: float) -> float:
 
 
 class HeapSettler:
-    UNFREEZE_EVERY = UNFREEZE_EVERY
-
     def __init__(self, metrics: ShardMetrics, clock: Callable[[], float], interval: float = 1.0) -> None:
         self.metrics = metrics
         self.clock = clock
