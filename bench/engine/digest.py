@@ -22,7 +22,7 @@ from typing import Any
 
 from bench.bench_engine import _table
 from bench.engine import shapes
-from bigfleet.decision import Configure, Create, Decision, Drain, Engine, EngineConfig, EngineState
+from bigfleet.decision import Configure, Create, Decision, Drain, Engine, EngineConfig, EngineState, Verdict
 from bigfleet.machine import Inventory, MachineState
 from bigfleet.needs import NeedsTable
 
@@ -46,8 +46,16 @@ def canon(x: Any) -> Any:
     return x
 
 
+def _verdict(v: Verdict, cycle: int) -> Any:
+    """A verdict's plain form with its unmet streak as an age (as verdicts carried it before they
+    held the streak's start: digests taken before and after that change compare equal)."""
+    return (type(v).__name__, tuple(("age_cycles_unmet", v.age_at(cycle)) if f.name == "unmet_since"
+                                    else (f.name, canon(getattr(v, f.name))) for f in dataclasses.fields(v)))
+
+
 def digest(d: Decision) -> str:
-    body = (canon(d.actions), canon(d.shortfalls), canon(d.verdicts), canon(d.stats), canon(d.state),
+    verdicts = tuple(_verdict(v, d.state.cycle) for v in d.verdicts)
+    body = (canon(d.actions), canon(d.shortfalls), verdicts, canon(d.stats), canon(d.state),
             canon(d.deferred), d.mode)
     return hashlib.sha256(repr(body).encode()).hexdigest()[:16]
 

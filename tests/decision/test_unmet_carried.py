@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -133,8 +134,10 @@ def test_key_sorted_falls_back_to_a_sort_when_chunks_interleave() -> None:
     assert list(odd) == ["a\x00b\x00c", "a\x00z"]
 
 
-def test_cluster_cache_reissues_verdicts_equal_but_for_the_age() -> None:
-    """Only `age_cycles_unmet` of the unmet verdicts moves; every other field is the first build's."""
+def test_a_reused_short_cluster_keeps_its_verdicts_while_ages_move_in_step() -> None:
+    """Verdicts hold where each unmet streak started: a reused short cluster's are the very same
+    objects cycle after cycle while the ages they report grow; a state whose cycle did not move in
+    step with its ages (here: the same ages, the cycle moved on) re-issues them with new starts."""
     inv = Inventory([])
     table = NeedsTable()
     table.replace("c", [Need("c", Profile.build([], (), 10, PenaltyBucket.B64, PenaltyBucket.ZERO, f"j{i}"),
@@ -146,11 +149,17 @@ def test_cluster_cache_reissues_verdicts_equal_but_for_the_age() -> None:
     assert eng.last_unmet_reused == 1
     cc = eng._cache["c"]
     assert isinstance(cc, ClusterCache)
-    assert [v.age_cycles_unmet for v in d1.verdicts] == [1, 1, 1]
-    assert [v.age_cycles_unmet for v in d2.verdicts] == [2, 2, 2]
-    for a, b in zip(d1.verdicts, d2.verdicts, strict=True):
-        assert {**a.__dict__, "age_cycles_unmet": 0} == {**b.__dict__, "age_cycles_unmet": 0}
+    assert [v.age_at(d1.state.cycle) for v in d1.verdicts] == [1, 1, 1]
+    assert [v.age_at(d2.state.cycle) for v in d2.verdicts] == [2, 2, 2]
+    assert all(a is b for a, b in zip(d1.verdicts, d2.verdicts, strict=True))
     assert list(d2.state.unmet_ages.values()) == [2, 2, 2]
+    jumped = replace(d2.state, cycle=d2.state.cycle + 5)
+    d3 = eng.decide(table, inv, NOW, jumped, EngineConfig())
+    assert eng.last_unmet_reused == 1
+    assert [v.age_at(d3.state.cycle) for v in d3.verdicts] == [3, 3, 3]
+    for a, b in zip(d2.verdicts, d3.verdicts, strict=True):
+        assert a is not b and {**a.__dict__, "unmet_since": 0} == {**b.__dict__, "unmet_since": 0}
+    _same(d3, decide(table, Inventory([]), NOW, jumped, EngineConfig()))
 
 
 def test_folded_gangs_of_a_reused_short_cluster_age_every_member_verdict() -> None:
@@ -176,5 +185,5 @@ def test_folded_gangs_of_a_reused_short_cluster_age_every_member_verdict() -> No
             assert eng.last_unmet_reused == 1
             aged = eng._cache["c"].aged
             assert aged is not None and aged.key_pos == [0, 0]
-        assert sorted(v.age_cycles_unmet for v in got.verdicts) == [0, i + 1, i + 1]
+        assert sorted(v.age_at(got.state.cycle) for v in got.verdicts) == [0, i + 1, i + 1]
         state = got.state if i != 2 else EngineState.from_dict(json.loads(json.dumps(got.state.to_dict())))

@@ -386,7 +386,7 @@ def test_rows_of_needs_that_stay_unmet_are_not_shipped_again_and_ages_read_back(
         # (`want` decided one cycle later on the saved state: its ages are one more)
         for v in unmet:
             row = feed.rows[(v.cluster_id, v.fingerprint)]
-            assert row_age(row[8], cycle) + 1 == v.age_cycles_unmet
+            assert row_age(row[8], cycle) + 1 == v.age_at(want.state.cycle)
     assert shipped[0] == len(CLUSTERS) and shipped[2:] == [0, 0, 0, 0]  # ages grow; rows stay the same
 
 

@@ -17,7 +17,7 @@ def verdict(**kw: object) -> Verdict:
     base: dict[str, object] = dict(
         cluster_id="c1", fingerprint="fp", satisfied=False, deficit=Resources({"cpu": 1500, "memory": 2 << 30 << 10}),
         claimed_count=2, bootstrap_count=1, provision_count=3, same_domain="us-east-1a", same_satisfiable=True,
-        parked=False, parked_age_cycles=0, age_cycles_unmet=4, unmet_reason=UnmetReason.NO_MATCHING_SUPPLY,
+        parked=False, parked_age_cycles=0, unmet_since=36, unmet_reason=UnmetReason.NO_MATCHING_SUPPLY,
         matching_supply=MatchingSupply(idle=1, configured=7, speculative=0, capped=True),
     )
     base.update(kw)
@@ -26,7 +26,7 @@ def verdict(**kw: object) -> Verdict:
 
 @pytest.mark.parametrize("v", [
     verdict(),
-    verdict(satisfied=True, deficit=Resources(), unmet_reason=UnmetReason.SATISFIED, age_cycles_unmet=0),
+    verdict(satisfied=True, deficit=Resources(), unmet_reason=UnmetReason.SATISFIED, unmet_since=-1),
     verdict(parked=True, parked_age_cycles=9, unmet_reason=UnmetReason.TOPOLOGY_UNSATISFIABLE),
     verdict(unmet_reason=UnmetReason.PREEMPTION_EXHAUSTED, victims_found=3,
             capacity_freed=Resources({"cpu": 250, "nvidia.com/gpu": 2000})),
@@ -35,7 +35,7 @@ def verdict(**kw: object) -> Verdict:
 def test_row_and_verdict_give_the_same_need_view(v: Verdict) -> None:
     cycle = 40
     from_verdict, from_row = shardread_pb2.NeedView(), shardread_pb2.NeedView()
-    _fill_from_verdict(from_verdict, v)
+    _fill_from_verdict(from_verdict, v, cycle)
     _fill_from_row(from_row, verdict_row(v, cycle), cycle)
     assert from_row == from_verdict
     if not v.satisfied:
@@ -43,6 +43,13 @@ def test_row_and_verdict_give_the_same_need_view(v: Verdict) -> None:
 
 
 def test_a_row_is_unchanged_while_only_the_age_grows() -> None:
-    """What keeps the worker's reply small: an unmet need's row is the same every cycle."""
-    assert verdict_row(verdict(age_cycles_unmet=4), 40) == verdict_row(verdict(age_cycles_unmet=5), 41)
-    assert verdict_row(verdict(age_cycles_unmet=4), 40) != verdict_row(verdict(age_cycles_unmet=4), 41)
+    """What keeps the worker's reply small: an unmet need's row is the same every cycle, and read a
+    cycle later it serves an age one higher."""
+    v = verdict(unmet_since=36)
+    assert v.age_at(40) == 4 and v.age_at(41) == 5
+    assert verdict_row(v, 40) == verdict_row(v, 41)
+    assert verdict_row(v, 40) != verdict_row(verdict(unmet_since=37), 40)
+    later = shardread_pb2.NeedView()
+    _fill_from_row(later, verdict_row(v, 40), 41)
+    assert later.age_cycles_unmet == 5
+    assert verdict(satisfied=True, unmet_since=-1).age_at(40) == 0

@@ -63,11 +63,12 @@ def machine(mid: str, state: int, cluster: str = "", fp: str = "") -> provider_p
 
 
 def verdict(cluster: str, fp: str, satisfied: bool, age: int = 0, deficit: dict[str, int] | None = None,
-            reason: UnmetReason = UnmetReason.SATISFIED, claimed: int = 0) -> Verdict:
+            reason: UnmetReason = UnmetReason.SATISFIED, claimed: int = 0, cycle: int = 0) -> Verdict:
+    """A verdict as the decision of `cycle` gives it (unmet for `age` cycles)."""
     return Verdict(cluster_id=cluster, fingerprint=fp, satisfied=satisfied,
                    deficit=Resources(deficit or {}), claimed_count=claimed, bootstrap_count=0, provision_count=0,
                    same_domain="", same_satisfiable=False, parked=False, parked_age_cycles=0,
-                   age_cycles_unmet=age, unmet_reason=reason, matching_supply=MatchingSupply(idle=0, configured=2))
+                   unmet_since=-1 if satisfied else cycle - age, unmet_reason=reason, matching_supply=MatchingSupply(idle=0, configured=2))
 
 
 def record(cycle: int, verdicts: list[Verdict], rows: bool, wall_ns: int) -> CycleRecord:
@@ -126,7 +127,8 @@ def test_frame_content_dedupe_and_escalation(rows: bool) -> None:
 
     def cycle(k: int, age: int) -> None:
         vs = [verdict("c1", nok.fingerprint, True, claimed=3),
-              verdict("c1", nbad.fingerprint, False, age=age, deficit=miss, reason=UnmetReason.NO_MATCHING_SUPPLY)]
+              verdict("c1", nbad.fingerprint, False, age=age, deficit=miss, reason=UnmetReason.NO_MATCHING_SUPPLY,
+                      cycle=k)]
         s.after_cycle(record(k, vs, rows, k * 1_000_000_000))
 
     cycle(10, 1)
@@ -329,7 +331,7 @@ def test_frame_lines_equal_the_need_view_built_ones(seed: int) -> None:
                     deficit=Resources({} if ok else {"cpu": rnd.randint(1, 90_000), "memory": rnd.randint(0, 2**36)}),
                     claimed_count=rnd.randint(0, 3), bootstrap_count=0, provision_count=0, same_domain="",
                     same_satisfiable=False, parked=False, parked_age_cycles=0,
-                    age_cycles_unmet=0 if ok else rnd.randint(1, cycle), unmet_reason=reason,
+                    unmet_since=-1 if ok else rnd.randint(0, cycle - 1), unmet_reason=reason,
                     matching_supply=MatchingSupply(idle=rnd.randint(0, 4), configured=rnd.randint(0, 4),
                                                    speculative=rnd.randint(0, 4), capped=rnd.random() < 0.5),
                     victims_found=rnd.randint(0, 9),

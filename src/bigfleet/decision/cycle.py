@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import gc
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice, repeat
-from operator import attrgetter, is_, setitem
+from operator import attrgetter, is_, setitem, sub
 from typing import Literal
 
 from bigfleet.machine.inventory import Inventory
@@ -70,8 +70,9 @@ class ClusterCache:
                  verdicts: list[Verdict], domains: dict[str, str], hconf: int, watch: UnmetWatch | None) -> None:
         self.key = key
         self.watch = watch
-        #: rows short after Phase 1: their unmet age moves every cycle (verdicts and ledgers follow
-        #: through `short` and `aged`; the rows' own `unmet_age` stays as first computed)
+        #: rows short after Phase 1: their unmet age moves every cycle (the ledgers follow through
+        #: `short`; the verdicts hold each streak's start, re-issued by `aged` only if it moves; the
+        #: rows' own `unmet_age` stays as first computed)
         self.unmet_rows = [n for n in rows if any(n.p1_remaining)]
         self.short = ShortPart(self.unmet_rows[0].cluster, self.unmet_rows) if self.unmet_rows else None
         self.aged = _AgedVerdicts(verdicts, self.short.keys) if self.short is not None else None
@@ -155,12 +156,12 @@ class Engine:
         #: the unmet-age map the last (completed) cycle emitted: a state carrying that very map needs
         #: no age lookups for reused clusters (see `ShortPart.age`); None after a failed cycle
         self._emitted_unmet: Mapping[str, int] | None = None
+        #: the cycle the last (completed) cycle's state carries (with `_emitted_unmet`: the carried
+        #: ages moved in step with the cycle, so every reused verdict's `unmet_since` still holds)
+        self._emitted_cycle = -1
         self.last_index_changes = 0
         #: how many reused clusters had unmet needs last cycle (tests check the path is exercised)
         self.last_unmet_reused = 0
-        #: the clusters the last cycle reused from its cache: their verdicts are the previous cycle's,
-        #: the unmet ones re-issued with new `age_cycles_unmet` and every other field the same
-        self.last_reused_clusters: Collection[str] = ()
 
     # --- inventory → index -----------------------------------------------------------------------
 
@@ -281,10 +282,11 @@ class Engine:
 
     def _decide(self, ix: Index, by_cluster: dict[str, tuple[Need, ...]], now: int, state: EngineState,
                 config: EngineConfig, reservations: Mapping[str, str]) -> Decision:
-        cy = CycleScratch(ix, self._dims(by_cluster), reservations)
+        cy = CycleScratch(ix, self._dims(by_cluster), reservations, state.cycle + 1)
         emitted = state.unmet_ages is self._emitted_unmet
+        in_step = emitted and state.cycle == self._emitted_cycle
         prev_unmet, self._emitted_unmet = self._emitted_unmet, None
-        split = self._split(cy, by_cluster, state, config, emitted)
+        split = self._split(cy, by_cluster, state, config, emitted, in_step)
         work = [n for fc in split.fresh for n in fc.rows]
         work.sort(key=_ORDER)
         self._mark("phase1_prepare")
@@ -326,7 +328,7 @@ class Engine:
         )
         stats = _stats(ix, split, work, led, len(preempts), counters["victims_scanned"], len(reclaims), deferred,
                        len(releases), len(truncated))
-        self._emitted_unmet = next_state.unmet_ages
+        self._emitted_unmet, self._emitted_cycle = next_state.unmet_ages, next_state.cycle
         self._mark("ledgers")
         self.last_phase_seconds.pop("_t", None)
         return _decision(actions, truncated, led, verdicts, stats, next_state, config)
@@ -349,7 +351,7 @@ class Engine:
         return tuple(sorted(dim_set))
 
     def _split(self, cy: CycleScratch, by_cluster: dict[str, tuple[Need, ...]], state: EngineState,
-               config: EngineConfig, emitted: bool) -> _Split:
+               config: EngineConfig, emitted: bool, in_step: bool) -> _Split:
         """Reuse every cluster whose cache entry still holds; normalise the others into rows.
 
         A cached cluster depends on the free pool only through Same folding (see `normalise.normalize_rows`):
@@ -365,7 +367,6 @@ class Engine:
         maker = RowMaker(cy.dims)
         fold = FoldMemo()
         self.last_unmet_reused = 0
-        self.last_reused_clusters = split.cached.keys()
         for c in sorted(by_cluster):
             cn = by_cluster[c]
             split.needs_in += len(cn)
@@ -381,7 +382,7 @@ class Engine:
                 cy.held[c] = cc.held
                 cy.hconf[c] = cc.hconf
                 if cc.short is not None:
-                    _age_unmet(cc, cc.short, state, emitted)
+                    _age_unmet(cc, cc.short, state, emitted, in_step)
                     split.short_parts[c] = cc.short
                     self.last_unmet_reused += 1
                 continue
@@ -517,11 +518,14 @@ class _WatchCheck:
         return self._in_flight.isdisjoint(watch.fingerprints)
 
 
-def _age_unmet(cc: ClusterCache, short: ShortPart, state: EngineState, emitted: bool) -> None:
-    """Move a reused cluster's short rows and their verdicts to this cycle's unmet ages."""
+def _age_unmet(cc: ClusterCache, short: ShortPart, state: EngineState, emitted: bool, in_step: bool) -> None:
+    """Move a reused cluster's short rows to this cycle's unmet ages. Its verdicts hold where each
+    unmet streak started, which moves only when the carried ages did not move in step with the
+    cycle (a state this engine did not emit: a restore, a what-if, a cleared ledger)."""
     ages = short.age(state.unmet_ages, emitted)
-    assert cc.aged is not None
-    cc.verdicts = cc.aged.issue(cc.verdicts, ages)
+    if not in_step:
+        assert cc.aged is not None
+        cc.verdicts = cc.aged.issue(cc.verdicts, list(map(sub, repeat(state.cycle + 1), ages)))
 
 
 def _consume(it: Iterable[object]) -> None:
@@ -535,9 +539,9 @@ _DICT = attrgetter("__dict__")
 
 class _AgedVerdicts:
     """Where a reused short cluster's unmet verdicts sit and which of its need keys each reports, so
-    a cycle re-issues them with new ages by C-level maps instead of a Python loop per verdict."""
+    new streak starts re-issue them by C-level maps instead of a Python loop per verdict."""
 
-    __slots__ = ("key_pos", "pos", "previous", "templates")
+    __slots__ = ("key_pos", "pos", "starts", "templates")
 
     def __init__(self, verdicts: list[Verdict], keys: list[str]) -> None:
         at = {k: i for i, k in enumerate(keys)}
@@ -546,30 +550,24 @@ class _AgedVerdicts:
         key_pos = [at[v.cluster_id + "\x00" + (v.folded_into or v.fingerprint)] for v in unmet]
         #: None when the unmet verdicts are the keys one to one, in order (no folding: the usual case)
         self.key_pos = None if key_pos == list(range(len(keys))) else key_pos
-        #: the verdicts' field dicts as first built (never mutated: each cycle copies them)
+        #: the verdicts' field dicts as first built (never mutated: each re-issue copies them)
         self.templates = [v.__dict__ for v in unmet]
-        #: the verdicts issued the cycle before last, released just before issuing new ones
-        self.previous: list[Verdict] | None = None
+        #: each unmet verdict's `unmet_since` as last issued
+        self.starts = [v.unmet_since for v in unmet]
 
-    def issue(self, verdicts: list[Verdict], ages: list[int]) -> list[Verdict]:
-        """`verdicts` with each unmet one replaced by an equal record but for `age_cycles_unmet`
-        (as `build_fast`: one C-level dict copy per record, not a field-by-field construction).
-
-        Each cycle's verdicts are held one cycle longer than the caller's decision and released
-        here, cluster by cluster, right before their successors are built: those reuse the freed
-        memory. Released by the caller between cycles instead, a whole generation (~20 MB at
-        44 000 verdicts) emptied its allocator arenas, which went back to the OS and were
-        faulted in again the next cycle (~5 000 page faults, 10-20 ms of system time).
-        """
-        self.previous = None
+    def issue(self, verdicts: list[Verdict], key_starts: list[int]) -> list[Verdict]:
+        """`verdicts` with each unmet one replaced by an equal record but for `unmet_since` (as
+        `build_fast`: one C-level dict copy per record), or `verdicts` itself when no start moved."""
+        starts = key_starts if self.key_pos is None else list(map(key_starts.__getitem__, self.key_pos))
+        if starts == self.starts:
+            return verdicts
+        self.starts = starts
         fresh: list[Verdict] = list(map(_new, repeat(Verdict, len(self.templates))))
         fields = list(map(_DICT, fresh))
         _consume(map(dict.update, fields, self.templates))
-        vages = ages if self.key_pos is None else map(ages.__getitem__, self.key_pos)
-        _consume(map(dict.__setitem__, fields, repeat("age_cycles_unmet"), vages))
+        _consume(map(dict.__setitem__, fields, repeat("unmet_since"), starts))
         out = verdicts.copy()
         _consume(map(setitem, repeat(out), self.pos, fresh))
-        self.previous = verdicts
         return out
 
 

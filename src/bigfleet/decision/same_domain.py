@@ -41,22 +41,25 @@ def _score(total: Vec, deficit: Vec, capped: bool) -> float:
     return s
 
 
+def _bucket_key(value: str, count: int, total: Vec, cred: Vec, own: Vec, deficit: Vec) -> tuple[Any, ...]:
+    """A candidate domain's place in the documented total order (decision-engine.md §8.3): the
+    smallest key wins (`value` last, so keys never tie)."""
+    sat = covers(total, deficit)
+    score = _score(total, deficit, not sat)
+    c = _score(cred, deficit, True) if any(cred) else 0.0
+    if sat:
+        return (0, -c, -(_score(own, deficit, True) if any(own) else 0.0), score, 0.0, -count, value)
+    return (1, 0.0, 0.0, -score, -c, -count, value)
+
+
 def choose_same_bucket(buckets: Iterable[DomainBucket], deficit: Vec) -> DomainBucket | None:
-    """The documented total order over candidate domains (decision-engine.md §8.3)."""
+    """The first domain in the documented total order (decision-engine.md §8.3)."""
     best: DomainBucket | None = None
     best_k: tuple[Any, ...] = ()
     for b in buckets:
         if b.count == 0:
             continue
-        sat = covers(b.total, deficit)
-        score = _score(b.total, deficit, not sat)
-        cred = _score(b.cred, deficit, True) if any(b.cred) else 0.0
-        own = _score(b.cred_own, deficit, True) if any(b.cred_own) else 0.0
-        # smaller tuple wins
-        if sat:
-            k: tuple[Any, ...] = (0, -cred, -own, score, 0.0, -b.count, b.value)
-        else:
-            k = (1, 0.0, 0.0, -score, -cred, -b.count, b.value)
+        k = _bucket_key(b.value, b.count, b.total, b.cred, b.cred_own, deficit)
         if best is None or k < best_k:
             best, best_k = b, k
     return best
@@ -86,25 +89,28 @@ def credit_same(cy: CycleScratch, n: NeedRow, sticky: str | None) -> None:
                 b.cred_own = vadd(b.cred_own, a)
             b.members.append((c, m, own))
     _count_creating(cy, n, key, buckets)
+    deficit = n.remaining
+    #: domains with free supply only: their key is memoised with the supply (`DomainFree`)
+    free_only: dict[str, DomainFree] = {}
     if not n.parked:
         for v, classes in cy.domains(n, key):
-            count, total = _domain_free(cy, classes)
-            if total is None:
+            free = _domain_free(cy, classes)
+            if free.total is None:
                 continue
             b = buckets.get(v)
             if b is None:
-                b = buckets[v] = DomainBucket(v, zero)
-            b.count += count
-            b.total = vadd(b.total, total)
-    if not buckets:
+                free_only[v] = free
+            else:
+                b.count += free.count
+                b.total = vadd(b.total, free.total)
+    if not buckets and not free_only:
         return
-    best: DomainBucket | None = None
-    if sticky is not None and sticky in buckets and covers(buckets[sticky].total, n.remaining):
-        best = buckets[sticky]
-    if best is None:
-        best = choose_same_bucket((buckets[v] for v in sorted(buckets)), n.remaining)
-    if best is None:
+    best_value = _pick(buckets, free_only, deficit, sticky)
+    if best_value is None:
         return
+    best = buckets.get(best_value)
+    if best is None:
+        best = buckets[best_value] = _free_bucket(best_value, free_only[best_value])
     n.same_domain = best.value
     n.same_sat = covers(best.total, n.remaining)
     ordered = [t for t in best.members if t[2]] + [t for t in best.members if not t[2]]
@@ -133,15 +139,68 @@ def credit_same(cy: CycleScratch, n: NeedRow, sticky: str | None) -> None:
                     return
 
 
-def _domain_free(cy: CycleScratch, classes: list[MClass]) -> tuple[int, Vec | None]:
-    """Free (Idle + Speculative, not taken or virtually reserved) machines of a domain's classes and
-    their total allocatable (None: none). Gangs of one shape rank the same domains one after the
-    other, and between two of them only the chosen domain's pools change: the sums are memoised
-    per domain and recomputed only when one of its classes' pool versions moved."""
-    vers = tuple([cy.pool_ver.get(c.idx, 0) for c in classes])
+class DomainFree:
+    """A domain's free (Idle + Speculative, not taken or virtually reserved) machines as of its
+    classes' pool versions, and its key as a free-only candidate per deficit (gangs of one shape
+    rank the same domains with the same deficit one after the other)."""
+
+    __slots__ = ("classes", "count", "keys", "total", "vers")
+
+    def __init__(self, classes: list[MClass], vers: tuple[int, ...], count: int, total: Vec | None) -> None:
+        self.classes = classes
+        self.vers = vers
+        self.count = count
+        self.total = total
+        self.keys: dict[Vec, tuple[Any, ...]] = {}
+
+    def key(self, value: str, deficit: Vec, zero: Vec) -> tuple[Any, ...]:
+        k = self.keys.get(deficit)
+        if k is None:
+            assert self.total is not None
+            k = self.keys[deficit] = _bucket_key(value, self.count, self.total, zero, zero, deficit)
+        return k
+
+
+def _free_bucket(value: str, free: DomainFree) -> DomainBucket:
+    assert free.total is not None
+    b = DomainBucket(value, free.total)
+    b.count = free.count
+    b.cred = b.cred_own = tuple(0 for _ in free.total)
+    return b
+
+
+def _pick(buckets: dict[str, DomainBucket], free_only: dict[str, DomainFree], deficit: Vec,
+          sticky: str | None) -> str | None:
+    """The sticky domain while it still covers the deficit, else the first in the total order."""
+    if sticky is not None:
+        b = buckets.get(sticky)
+        f = free_only.get(sticky) if b is None else None
+        total = b.total if b is not None else f.total if f is not None else None
+        if total is not None and covers(total, deficit):
+            return sticky
+    best: str | None = None
+    best_k: tuple[Any, ...] = ()
+    for v, b in buckets.items():
+        if b.count:
+            k = _bucket_key(v, b.count, b.total, b.cred, b.cred_own, deficit)
+            if best is None or k < best_k:
+                best, best_k = v, k
+    zero = tuple(0 for _ in deficit)
+    for v, f in free_only.items():
+        k = f.key(v, deficit, zero)
+        if best is None or k < best_k:
+            best, best_k = v, k
+    return best
+
+
+def _domain_free(cy: CycleScratch, classes: list[MClass]) -> DomainFree:
+    """Free machines of a domain's classes. Between two gangs ranking the same domains only the
+    chosen domain's pools change: memoised per domain, recomputed when a class's pool version moved."""
+    pool_ver = cy.pool_ver
+    vers = (pool_ver.get(classes[0].idx, 0),) if len(classes) == 1 else tuple([pool_ver.get(c.idx, 0) for c in classes])
     hit = cy.domain_free.get(id(classes))
-    if hit is not None and hit[0] is classes and hit[1] == vers:
-        return hit[2], hit[3]
+    if hit is not None and hit.classes is classes and hit.vers == vers:
+        return hit
     alloc = cy.alloc
     count = 0
     total: Vec | None = None
@@ -152,8 +211,8 @@ def _domain_free(cy: CycleScratch, classes: list[MClass]) -> tuple[int, Vec | No
                 count += avail
                 a = tuple([x * avail for x in alloc[c.idx]])
                 total = a if total is None else vadd(total, a)
-    cy.domain_free[id(classes)] = (classes, vers, count, total)
-    return count, total
+    got = cy.domain_free[id(classes)] = DomainFree(classes, vers, count, total)
+    return got
 
 
 def _count_creating(cy: CycleScratch, n: NeedRow, key: str, buckets: dict[str, DomainBucket]) -> None:

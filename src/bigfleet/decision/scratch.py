@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from operator import attrgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bigfleet.machine.record import Machine
 from bigfleet.machine.state import MachineState
@@ -19,6 +19,9 @@ from .index import (
 )
 from .types import MatchingSupply
 from .vec import Vec, covers
+
+if TYPE_CHECKING:
+    from .same_domain import DomainFree
 
 MACHINE_ID = attrgetter("id")
 
@@ -168,10 +171,12 @@ class RowMaker:
 class CycleScratch:
     """Mutable scratch state of one `decide` call (never escapes it)."""
 
-    def __init__(self, ix: Index, dims: tuple[str, ...], reservations: Mapping[str, str]) -> None:
+    def __init__(self, ix: Index, dims: tuple[str, ...], reservations: Mapping[str, str], cycle: int = 0) -> None:
         self.ix = ix
         self.dims = dims
         self.reservations = reservations
+        #: the cycle the decision's state will carry (what verdicts count unmet streaks against)
+        self.cycle = cycle
         self.alloc: list[Vec] = [tuple(c.alloc.get(d) for d in dims) for c in ix.classes]
         #: claims on pool (Idle/Speculative) and Creating machines
         self.claim: dict[str, NeedRow] = {}
@@ -185,8 +190,8 @@ class CycleScratch:
         self.vused: dict[tuple[int, int], int] = {}
         #: class idx → bumped whenever `taken` or `vused` of its pools changes (domain supply memo)
         self.pool_ver: dict[int, int] = {}
-        #: id(domain class list) → (the list, its classes' pool versions, free count, free total)
-        self.domain_free: dict[int, tuple[list[MClass], tuple[int, ...], int, Vec | None]] = {}
+        #: id(domain class list) → its free supply as of its classes' pool versions
+        self.domain_free: dict[int, DomainFree] = {}
         #: DRAINING machines already counted against some need's deficit this cycle (Phase 2)
         self.awaited: set[str] = set()
         self.zero: Vec = tuple(0 for _ in dims)

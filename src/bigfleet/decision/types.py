@@ -288,13 +288,20 @@ class Verdict:
     same_satisfiable: bool
     parked: bool
     parked_age_cycles: int
-    age_cycles_unmet: int
+    #: the `EngineState.cycle` this need's current unmet streak is counted from (-1 when met): its
+    #: age is `age_at(decision.state.cycle)`. Kept as a start, not an age, so a need that stays
+    #: unmet keeps the same verdict from cycle to cycle (50 000 of them under a lasting stockout)
+    unmet_since: int
     unmet_reason: UnmetReason
     matching_supply: MatchingSupply
     victims_found: int = 0
     capacity_freed: Resources | None = None
     #: set when this need was folded (sub-machine gang → plain need) into another row
     folded_into: str = ""
+
+    def age_at(self, cycle: int) -> int:
+        """Consecutive cycles unmet as of the decision whose state carries ``cycle`` (0 when met)."""
+        return cycle - self.unmet_since if self.unmet_since >= 0 else 0
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ def need_verdicts(cy: CycleScratch, n: NeedRow, unsat: bool) -> list[Verdict]:
         "satisfied": not unsat, "deficit": deficit, "claimed_count": len(n.claimed),
         "bootstrap_count": len(n.acquired_idle), "provision_count": len(n.acquired_spec),
         "same_domain": n.same_domain, "same_satisfiable": n.same_sat, "parked": n.parked,
-        "parked_age_cycles": n.park_age, "age_cycles_unmet": n.unmet_age if unsat else 0,
+        "parked_age_cycles": n.park_age, "unmet_since": cy.cycle - n.unmet_age if unsat else -1,
         "unmet_reason": reason, "matching_supply": supply, "victims_found": n.victims,
         "capacity_freed": freed, "folded_into": into,
     }

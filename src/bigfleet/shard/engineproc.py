@@ -92,10 +92,11 @@ class CycleReply:
 SUPPRESSED_SAMPLE = 200
 
 
-def verdict_row(v: Any, cycle: int) -> tuple[Any, ...]:
+def verdict_row(v: Verdict, cycle: int) -> tuple[Any, ...]:
     """A Verdict as plain data (cheap to pickle in bulk); field order is what readsvc reads.
 
-    Ages are stored as the cycle they started at (``cycle - age``; -1 for no age), so the row of a
+    Ages are stored as the cycle they started at (the verdict's `unmet_since`; ``cycle - age`` for
+    the parked age; -1 for no age), so the row of a
     need that stays unmet is the same every cycle and is not shipped again: with ages as such, every
     unmet need's row changed each cycle (a 6.4 MB reply per cycle at 50 000 unmet needs, unpickled
     in ~150 ms with the GIL held). `row_age` turns them back."""
@@ -103,7 +104,7 @@ def verdict_row(v: Any, cycle: int) -> tuple[Any, ...]:
     # Resources as (name, milli) pairs: formatting quantities for every unmet need each cycle was
     # a third of the row diff; the reader formats the few rows it serves (`row_resources`).
     return (v.satisfied, v.claimed_count, v.bootstrap_count, v.provision_count, v.same_domain,
-            v.same_satisfiable, v.parked, _since(cycle, v.parked_age_cycles), _since(cycle, v.age_cycles_unmet),
+            v.same_satisfiable, v.parked, _since(cycle, v.parked_age_cycles), v.unmet_since,
             int(v.unmet_reason),
             v.deficit.items() if not v.satisfied else (),
             (ms.idle, ms.configured, ms.speculative, ms.capped), v.victims_found,
@@ -117,14 +118,6 @@ def row_resources(pairs: tuple[tuple[str, int], ...]) -> dict[str, str]:
 
 def _since(cycle: int, age: int) -> int:
     return cycle - age if age else -1
-
-
-def _aged_in_step(v: Verdict, last: Verdict, step: int) -> bool:
-    """``v`` (a reused cluster's verdict, equal to ``last`` but for the unmet age) has the same row
-    as ``last`` had ``step`` cycles ago: the unmet age moved by ``step`` and nothing is parked (a
-    re-issued verdict keeps its parked age, whose stored start cycle would move)."""
-    age = v.age_cycles_unmet
-    return not v.parked_age_cycles and (age == last.age_cycles_unmet + step if age else not last.age_cycles_unmet)
 
 
 def row_age(since: int, cycle: int) -> int:
@@ -183,7 +176,6 @@ class WorkerCore:
         self.state: EngineState | None = None
         self.engine = Engine()
         self._rows: dict[RowKey, tuple[Any, tuple[Any, ...]]] = {}
-        self._rows_cycle = 0  # the engine cycle `_rows` were built at
 
     def handle(self, req: CycleRequest) -> CycleReply:
         if req.base == RESYNC:
@@ -250,16 +242,9 @@ class WorkerCore:
 
     def _row_diff(self, decision: Decision) -> tuple[dict[RowKey, tuple[Any, ...]], list[RowKey]]:
         """Rows of verdicts that changed since the last reply (the engine reuses verdict objects of
-        unchanged clusters, so identity settles most without building a row).
-
-        A reused cluster's unmet verdicts are new objects each cycle, equal to the last ones but for
-        `age_cycles_unmet`; a row stores that age as the cycle it started at, so while the age moved
-        in step with the cycle the row is the last one (at 2 500 unmet needs, building their rows
-        again was a third of the worker's cycle)."""
+        unchanged clusters, unmet ones included, so identity settles most without building a row)."""
         prev = self._rows
         cycle = decision.state.cycle
-        step = cycle - self._rows_cycle
-        reused = self.engine.last_reused_clusters
         cur: dict[RowKey, tuple[Any, tuple[Any, ...]]] = {}
         changed: dict[RowKey, tuple[Any, ...]] = {}
         for v in decision.verdicts:
@@ -267,7 +252,7 @@ class WorkerCore:
             if k in cur:  # (a key repeated in one cycle: the last verdict wins)
                 changed.pop(k, None)
             p = prev.get(k)
-            if p is not None and (p[0] is v or (v.cluster_id in reused and _aged_in_step(v, p[0], step))):
+            if p is not None and p[0] is v:
                 cur[k] = (v, p[1])
                 continue
             row = verdict_row(v, cycle)
@@ -275,7 +260,7 @@ class WorkerCore:
             if p is None or p[1] != row:
                 changed[k] = row
         removed = [k for k in prev if k not in cur]
-        self._rows, self._rows_cycle = cur, cycle
+        self._rows = cur
         return changed, removed
 
 

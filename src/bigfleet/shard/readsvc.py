@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from bigfleet.decision.consolidation import plan_on_copy
+from bigfleet.decision.types import Verdict
 from bigfleet.decision.whatif import MAX_WHATIF_NEEDS, Result, what_if
 from bigfleet.machine import Machine
 from bigfleet.needs import Need, ValidationError
@@ -68,7 +69,7 @@ class ShardReadServicer(shardread_pb2_grpc.ShardReadServicer):
             if row is not None:
                 _fill_from_row(view, row, rec.decision.state.cycle if rec.decision is not None else 0)
             if v is not None:
-                _fill_from_verdict(view, v)
+                _fill_from_verdict(view, v, rec.decision.state.cycle if rec.decision is not None else 0)
             yield shardread_pb2.InspectNeedsResponse(need=view)
 
     async def GetInventoryCounts(
@@ -215,7 +216,7 @@ def whatif_to_proto(res: Result, cycle: int, now: int) -> shardread_pb2.WhatIfRe
     return out
 
 
-def _fill_from_verdict(view: shardread_pb2.NeedView, v: Any) -> None:
+def _fill_from_verdict(view: shardread_pb2.NeedView, v: Verdict, cycle: int) -> None:
     """A need's view from its `Verdict` (thread and inline modes)."""
     view.satisfied = v.satisfied
     view.claimed_machine_count = v.claimed_count
@@ -225,7 +226,7 @@ def _fill_from_verdict(view: shardread_pb2.NeedView, v: Any) -> None:
     view.same_satisfiable = v.same_satisfiable
     view.acquisition_parked = v.parked
     view.parked_age_cycles = v.parked_age_cycles
-    view.age_cycles_unmet = v.age_cycles_unmet
+    view.age_cycles_unmet = v.age_at(cycle)
     reason = int(v.unmet_reason)
     view.unmet_reason = reason if reason <= 4 else 0  # type: ignore[assignment]
     if not v.satisfied:
