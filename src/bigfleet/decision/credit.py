@@ -31,7 +31,8 @@ def bound_lists(cy: CycleScratch, n: NeedRow, state: int) -> list[tuple[MClass, 
     by_class = cy.ix.bound.get(n.cluster, {}).get(state)
     if not by_class:
         return []
-    k = (n.cluster, state, n.reqs, n.minu)
+    eligible = cy.eligible(n)
+    k = (n.cluster, state, id(eligible))  # (the eligible list lives as long as the scratch: its id is stable)
     got = cy.bound_lists_memo.get(k)
     if got is None:
         classes = cy.ix.classes

@@ -340,11 +340,9 @@ class Engine:
         for c, cn in by_cluster.items():
             got = cdims.get(c)
             if got is None or got[0] is not cn:
-                names: set[str] = set()
-                for nd in cn:  # (a Resources' map holds exactly its non-zero names)
-                    names.update(nd.aggregate_resources._map)
-                    names.update(nd.min_unit._map)
-                got = cdims[c] = (cn, frozenset(names))
+                # (a Resources' map holds exactly its non-zero names; one C-level union per cluster)
+                names = frozenset().union(*map(_AGG_MAP, cn), *map(_MINU_MAP, cn))
+                got = cdims[c] = (cn, names)
             dim_set |= got[1]
         for c in [c for c in cdims if c not in by_cluster]:
             del cdims[c]
@@ -534,6 +532,8 @@ def _consume(it: Iterable[object]) -> None:
 
 
 _new = object.__new__
+_AGG_MAP = attrgetter("aggregate_resources._map")
+_MINU_MAP = attrgetter("min_unit._map")
 _DICT = attrgetter("__dict__")
 
 

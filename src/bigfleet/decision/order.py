@@ -13,7 +13,7 @@ from operator import attrgetter
 from bigfleet.needs import Need, NeedsTable
 from bigfleet.needs.penalty import bucket_dollars
 
-from .acquire import Plan, acquire, acquire_plan, acquire_spread, take_plan
+from .acquire import Plan, acquire_plan, acquire_spread, take_plan
 from .credit import credit_plain
 from .index import CONFIGURED, CONFIGURING
 from .same_domain import credit_same
@@ -66,14 +66,21 @@ def acquire_all(cy: CycleScratch, rows: list[NeedRow]) -> None:
     """Pass 2: acquire Idle then Speculative for what is left, in precedence order. A plain need's
     plan depends only on its requirements, MinUnit and interruption bucket (memoised by fingerprint)."""
     plans: dict[tuple[str, Vec], Plan] = {}
+    #: (the gang's domain list, its chosen domain, interruption bucket) → that domain's plan
+    gang_plans: dict[tuple[int, str, int], Plan] = {}
     for n in rows:
         if not any(n.remaining) or n.parked:
             continue
         if n.same is not None:
             if not n.same_domain:
                 continue
-            dom_classes = next((cl for v, cl in cy.domains(n, n.same.key) if v == n.same_domain), [])
-            acquire(cy, n, dom_classes, bucket_dollars(n.ib))
+            domains = cy.domains(n, n.same.key)
+            gk = (id(domains), n.same_domain, n.ib)  # (the list lives as long as the scratch)
+            plan = gang_plans.get(gk)
+            if plan is None:
+                dom_classes = next((cl for v, cl in domains if v == n.same_domain), [])
+                plan = gang_plans[gk] = acquire_plan(cy, dom_classes, bucket_dollars(n.ib))
+            take_plan(cy, n, plan)
         elif n.spreads:
             acquire_spread(cy, n, cy.eligible(n), bucket_dollars(n.ib))
         else:

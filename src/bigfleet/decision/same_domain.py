@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections.abc import Iterable
+from itertools import compress, repeat
+from operator import ne
 from typing import Any
 
 from bigfleet.machine.record import Machine
@@ -66,12 +69,47 @@ def choose_same_bucket(buckets: Iterable[DomainBucket], deficit: Vec) -> DomainB
 
 
 def credit_same(cy: CycleScratch, n: NeedRow, sticky: str | None) -> None:
+    """Choose the gang's domain for this cycle, hold its bound machines there and virtually reserve
+    that domain's free supply for what is still short (needs ranked later see what is left)."""
     same = n.same
     assert same is not None
     key = same.key
+    buckets = _bound_buckets(cy, n, key)
+    _count_creating(cy, n, key, buckets)
+    deficit = n.remaining
+    ranking = None if n.parked else _ranking(cy, n, key, deficit)
+    free = ranking.frees if ranking is not None else {}
+    for v, b in buckets.items():
+        f = free.get(v)
+        if f is not None:
+            assert f.total is not None
+            b.count += f.count
+            b.total = vadd(b.total, f.total)
+    best = _pick(buckets, ranking, deficit, sticky)
+    if best is None:
+        return
+    n.same_domain = best
+    chosen = buckets.get(best)
+    if chosen is None:  # free supply only
+        total = free[best].total
+        assert total is not None
+        n.same_sat = covers(total, deficit)
+    else:
+        n.same_sat = covers(chosen.total, deficit)
+        _hold_members(cy, n, chosen.members)
+    if any(n.remaining):
+        credit_reserved(cy, n, best)
+    f = free.get(best)
+    if any(n.remaining) and f is not None:  # (no free supply when ranked: none now, crediting only takes)
+        _reserve_free(cy, n.remaining, f.classes)
+
+
+def _bound_buckets(cy: CycleScratch, n: NeedRow, key: str) -> dict[str, DomainBucket]:
+    """The cluster's unheld bound machines of the gang's classes by domain, as credit (its own
+    first when held). Totals are summed per class once, not a vector add per machine."""
     buckets: dict[str, DomainBucket] = {}
-    zero = cy.zero
-    alloc = cy.alloc
+    tally: dict[tuple[str, int], list[int]] = {}  # (domain, class) → [machines, the gang's own]
+    fp, group = n.fp, n.group
     for state in (CONFIGURED, CONFIGURING):
         for c, m in keep_stream(cy, n, state, bound_lists(cy, n, state)):
             v = c.attrs.get(key)
@@ -79,64 +117,55 @@ def credit_same(cy: CycleScratch, n: NeedRow, sticky: str | None) -> None:
                 continue
             b = buckets.get(v)
             if b is None:
-                b = buckets[v] = DomainBucket(v, zero)
-            a = alloc[c.idx]
-            own = m.assignment.need_fingerprint == n.fp and m.assignment.group == n.group
-            b.count += 1
-            b.total = vadd(b.total, a)
-            b.cred = vadd(b.cred, a)
-            if own:
-                b.cred_own = vadd(b.cred_own, a)
+                b = buckets[v] = DomainBucket(v, cy.zero)
+            asg = m.assignment
+            own = asg.need_fingerprint == fp and asg.group == group
+            t = tally.get((v, c.idx))
+            if t is None:
+                t = tally[(v, c.idx)] = [0, 0]
+            t[0] += 1
+            t[1] += own
             b.members.append((c, m, own))
-    _count_creating(cy, n, key, buckets)
-    deficit = n.remaining
-    #: domains with free supply only: their key is memoised with the supply (`DomainFree`)
-    free_only: dict[str, DomainFree] = {}
-    if not n.parked:
-        for v, classes in cy.domains(n, key):
-            free = _domain_free(cy, classes)
-            if free.total is None:
-                continue
-            b = buckets.get(v)
-            if b is None:
-                free_only[v] = free
-            else:
-                b.count += free.count
-                b.total = vadd(b.total, free.total)
-    if not buckets and not free_only:
-        return
-    best_value = _pick(buckets, free_only, deficit, sticky)
-    if best_value is None:
-        return
-    best = buckets.get(best_value)
-    if best is None:
-        best = buckets[best_value] = _free_bucket(best_value, free_only[best_value])
-    n.same_domain = best.value
-    n.same_sat = covers(best.total, n.remaining)
-    ordered = [t for t in best.members if t[2]] + [t for t in best.members if not t[2]]
-    for c, m, _own in ordered:
+    alloc = cy.alloc
+    for (v, ci), (k, own_k) in tally.items():
+        b = buckets[v]
+        a = alloc[ci]
+        b.count += k
+        add = tuple([x * k for x in a])
+        b.total = vadd(b.total, add)
+        b.cred = vadd(b.cred, add)
+        if own_k:
+            b.cred_own = vadd(b.cred_own, tuple([x * own_k for x in a]))
+    return buckets
+
+
+def _hold_members(cy: CycleScratch, n: NeedRow, members: list[tuple[MClass, Machine, bool]]) -> None:
+    """Hold the chosen domain's bound machines, the gang's own first, while it is short."""
+    alloc = cy.alloc
+    for c, m, _own in [t for t in members if t[2]] + [t for t in members if not t[2]]:
         if not any(n.remaining):
-            break
+            return
         hold(cy, m, n)
         n.remaining = vsub(n.remaining, alloc[c.idx])
-    if any(n.remaining):
-        credit_reserved(cy, n, best.value)
-    if any(n.remaining) and not n.parked:
-        # Virtually reserve the chosen domain's free supply so needs ranked later see what is left.
-        rem = n.remaining
-        dom_classes = next((cl for v, cl in cy.domains(n, key) if v == best.value), [])
-        for state in (IDLE, SPEC):
-            for c in dom_classes:
-                k = (state, c.idx)
-                avail = cy.available(k)
-                a = alloc[c.idx]
-                used = units_to_cover(rem, a, avail)
-                if used:
-                    rem = vsub(rem, tuple([x * used for x in a]))
-                    cy.vused[k] = cy.vused.get(k, 0) + used
-                    cy.pool_ver[c.idx] = cy.pool_ver.get(c.idx, 0) + 1
-                if not any(rem):
-                    return
+
+
+def _reserve_free(cy: CycleScratch, rem: Vec, classes: list[MClass]) -> None:
+    """Virtually reserve a domain's free supply for `rem` (Idle first, then Speculative)."""
+    alloc = cy.alloc
+    for state in (IDLE, SPEC):
+        for c in classes:
+            k = (state, c.idx)
+            avail = cy.available(k)
+            if avail <= 0:
+                continue
+            a = alloc[c.idx]
+            used = units_to_cover(rem, a, avail)
+            if used:
+                rem = vsub(rem, tuple([x * used for x in a]))
+                cy.vused[k] = cy.vused.get(k, 0) + used
+                cy.pool_ver[c.idx] = cy.pool_ver.get(c.idx, 0) + 1
+            if not any(rem):
+                return
 
 
 class DomainFree:
@@ -161,20 +190,64 @@ class DomainFree:
         return k
 
 
-def _free_bucket(value: str, free: DomainFree) -> DomainBucket:
-    assert free.total is not None
-    b = DomainBucket(value, free.total)
-    b.count = free.count
-    b.cred = b.cred_own = tuple(0 for _ in free.total)
-    return b
+class FreeRanking:
+    """The domains of one eligible class list with free supply, and their keys as free-only
+    candidates for one deficit in order, refreshed where a class's pool version moved: between two
+    gangs of one shape, usually the one domain the first chose."""
+
+    __slots__ = ("deficit", "dom_at", "domains", "frees", "idxs", "keys", "order", "vers")
+
+    def __init__(self, domains: list[tuple[str, list[MClass]]], deficit: Vec) -> None:
+        self.domains = domains
+        self.deficit = deficit
+        #: the domains' classes, flattened, and each one's domain (by position in `domains`)
+        self.idxs = [c.idx for _v, classes in domains for c in classes]
+        self.dom_at = [i for i, (_v, classes) in enumerate(domains) for _c in classes]
+        self.vers: tuple[int, ...] | None = None
+        self.frees: dict[str, DomainFree] = {}
+        self.keys: dict[str, tuple[Any, ...]] = {}
+        self.order: list[tuple[Any, ...]] = []
+
+    def refresh(self, cy: CycleScratch) -> None:
+        vers = tuple(map(cy.pool_ver.get, self.idxs, repeat(0)))
+        old = self.vers
+        if vers == old:
+            return
+        self.vers = vers
+        moved = range(len(self.domains)) if old is None else sorted(set(compress(self.dom_at, map(ne, old, vers))))
+        frees, keys, order, zero = self.frees, self.keys, self.order, cy.zero
+        for i in moved:
+            v, classes = self.domains[i]
+            free = _domain_free(cy, classes)
+            was = keys.pop(v, None)
+            if was is not None:  # (keys never tie: each ends with its domain)
+                del order[bisect_left(order, was)]
+            if free.total is None:
+                frees.pop(v, None)
+            else:
+                frees[v] = free
+                k = keys[v] = free.key(v, self.deficit, zero)
+                insort(order, k)
 
 
-def _pick(buckets: dict[str, DomainBucket], free_only: dict[str, DomainFree], deficit: Vec,
+def _ranking(cy: CycleScratch, n: NeedRow, key: str, deficit: Vec) -> FreeRanking:
+    domains = cy.domains(n, key)
+    k = (id(domains), deficit)  # (the domain list lives as long as the scratch: its id is stable)
+    got = cy.free_rankings.get(k)
+    if got is None:
+        got = cy.free_rankings[k] = FreeRanking(domains, deficit)
+    got.refresh(cy)
+    return got
+
+
+def _pick(buckets: dict[str, DomainBucket], ranking: FreeRanking | None, deficit: Vec,
           sticky: str | None) -> str | None:
-    """The sticky domain while it still covers the deficit, else the first in the total order."""
+    """The sticky domain while it still covers the deficit, else the first in the total order:
+    the best of the domains with bound machines against the first free-only one."""
+    frees = ranking.frees if ranking is not None else {}
     if sticky is not None:
         b = buckets.get(sticky)
-        f = free_only.get(sticky) if b is None else None
+        f = frees.get(sticky) if b is None else None
         total = b.total if b is not None else f.total if f is not None else None
         if total is not None and covers(total, deficit):
             return sticky
@@ -185,11 +258,12 @@ def _pick(buckets: dict[str, DomainBucket], free_only: dict[str, DomainFree], de
             k = _bucket_key(v, b.count, b.total, b.cred, b.cred_own, deficit)
             if best is None or k < best_k:
                 best, best_k = v, k
-    zero = tuple(0 for _ in deficit)
-    for v, f in free_only.items():
-        k = f.key(v, deficit, zero)
-        if best is None or k < best_k:
-            best, best_k = v, k
+    if ranking is not None:
+        for k in ranking.order:
+            if k[-1] not in buckets:
+                if best is None or k < best_k:
+                    best = k[-1]
+                break
     return best
 
 

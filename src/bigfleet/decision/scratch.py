@@ -21,7 +21,7 @@ from .types import MatchingSupply
 from .vec import Vec, covers
 
 if TYPE_CHECKING:
-    from .same_domain import DomainFree
+    from .same_domain import DomainFree, FreeRanking
 
 MACHINE_ID = attrgetter("id")
 
@@ -192,6 +192,8 @@ class CycleScratch:
         self.pool_ver: dict[int, int] = {}
         #: id(domain class list) → its free supply as of its classes' pool versions
         self.domain_free: dict[int, DomainFree] = {}
+        #: (id(domain list), deficit) → its free-only candidates in order (see `FreeRanking`)
+        self.free_rankings: dict[tuple[int, Vec], FreeRanking] = {}
         #: DRAINING machines already counted against some need's deficit this cycle (Phase 2)
         self.awaited: set[str] = set()
         self.zero: Vec = tuple(0 for _ in dims)
@@ -219,7 +221,8 @@ class CycleScratch:
         self._class_prices: list[float] | None = None
         self._keep_rank: list[int] | None = None
         self._alloc_group: list[int] | None = None
-        self.bound_lists_memo: dict[tuple[str, int, tuple[Requirement, ...], Vec], list[tuple[MClass, list[Machine]]]] = {}
+        #: (cluster, state, id(eligible class list)) → `credit.bound_lists`
+        self.bound_lists_memo: dict[tuple[str, int, int], list[tuple[MClass, list[Machine]]]] = {}
 
     # --- pool cursors ---------------------------------------------------------------------------
 
