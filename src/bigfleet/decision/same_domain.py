@@ -214,7 +214,8 @@ class FreeRanking:
         if vers == old:
             return
         self.vers = vers
-        moved = range(len(self.domains)) if old is None else sorted(set(compress(self.dom_at, map(ne, old, vers))))
+        # (`dom_at` ascends: the domains whose classes moved, in order, each once)
+        moved = range(len(self.domains)) if old is None else dict.fromkeys(compress(self.dom_at, map(ne, old, vers)))
         frees, keys, order, zero = self.frees, self.keys, self.order, cy.zero
         for i in moved:
             v, classes = self.domains[i]
