@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import heapq
 from itertools import repeat
+from operator import le
 
 from bigfleet.machine.record import Machine
 from bigfleet.needs.penalty import bucket_dollars
@@ -192,13 +193,10 @@ def _group_take(cy: CycleScratch, n: NeedRow, state: int, group: list[MClass]) -
         else:
             heapq.heappop(h)
         a = alloc[ci]
-        for x, y in zip(rem, a, strict=True):
-            if x > y:
-                rem = vsub(rem, a)
-                break
-        else:  # the machine covers what was left (a single-machine need): no vector to build
+        if all(map(le, rem, a)):  # the machine covers what was left (a single-machine need): no vector to build
             rem = cy.zero
             break
+        rem = vsub(rem, a)
     n.remaining = rem
 
 
