@@ -121,10 +121,6 @@ def acquire_plan(cy: CycleScratch, classes: list[MClass], penalty: float) -> Pla
     return [(state, g) for state in (IDLE, SPEC) for g in ordered_classes(cy, classes, state, penalty)]
 
 
-def acquire(cy: CycleScratch, n: NeedRow, classes: list[MClass], penalty: float) -> None:
-    take_plan(cy, n, acquire_plan(cy, classes, penalty))
-
-
 def take_plan(cy: CycleScratch, n: NeedRow, plan: Plan) -> None:
     """Idle then Speculative, cheapest group first, until the need is covered."""
     for state, group in plan:

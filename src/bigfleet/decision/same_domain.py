@@ -57,14 +57,18 @@ def _bucket_key(value: str, count: int, total: Vec, cred: Vec, own: Vec, deficit
 
 def choose_same_bucket(buckets: Iterable[DomainBucket], deficit: Vec) -> DomainBucket | None:
     """The first domain in the documented total order (decision-engine.md §8.3)."""
-    best: DomainBucket | None = None
-    best_k: tuple[Any, ...] = ()
+    got = _first_bucket(buckets, deficit)
+    return got[1] if got is not None else None
+
+
+def _first_bucket(buckets: Iterable[DomainBucket], deficit: Vec) -> tuple[tuple[Any, ...], DomainBucket] | None:
+    """The first non-empty bucket in the total order, with its key."""
+    best: tuple[tuple[Any, ...], DomainBucket] | None = None
     for b in buckets:
-        if b.count == 0:
-            continue
-        k = _bucket_key(b.value, b.count, b.total, b.cred, b.cred_own, deficit)
-        if best is None or k < best_k:
-            best, best_k = b, k
+        if b.count:
+            k = _bucket_key(b.value, b.count, b.total, b.cred, b.cred_own, deficit)
+            if best is None or k < best[0]:
+                best = (k, b)
     return best
 
 
@@ -252,20 +256,14 @@ def _pick(buckets: dict[str, DomainBucket], ranking: FreeRanking | None, deficit
         total = b.total if b is not None else f.total if f is not None else None
         if total is not None and covers(total, deficit):
             return sticky
-    best: str | None = None
-    best_k: tuple[Any, ...] = ()
-    for v, b in buckets.items():
-        if b.count:
-            k = _bucket_key(v, b.count, b.total, b.cred, b.cred_own, deficit)
-            if best is None or k < best_k:
-                best, best_k = v, k
+    bound = _first_bucket(buckets.values(), deficit)
     if ranking is not None:
         for k in ranking.order:
-            if k[-1] not in buckets:
-                if best is None or k < best_k:
-                    best = k[-1]
+            if k[-1] not in buckets:  # the first free-only domain
+                if bound is None or k < bound[0]:
+                    return str(k[-1])
                 break
-    return best
+    return bound[1].value if bound is not None else None
 
 
 def _domain_free(cy: CycleScratch, classes: list[MClass]) -> DomainFree:
