@@ -22,11 +22,35 @@ def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_all_in_one_runs_a_fleet_and_prints_a_summary() -> None:
-    r = _run("--clusters", "3", "--duration", "20", "--print-every", "5")
-    out = r.stdout
-    assert r.returncode == 0, out + r.stderr
-    assert "fleet up:" in out
+def test_all_in_one_runs_a_fleet_prints_a_summary_and_restarts_a_daemon_that_died() -> None:
+    """One run covers both: the fleet and its summary, and the supervisor restarting the provider it
+    lost (SIGKILL right after "fleet up:"; the provider keeps its state file, so the fleet goes on)."""
+    import os
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "bigfleet.cli.main", "all-in-one", "--clusters", "3",
+                             "--duration", "20", "--print-every", "5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("fleet up:"):
+                break
+        children = _children(proc.pid)
+        provider = [pid for pid, cmd in children if "fake-provider" in cmd]
+        assert len(provider) == 1, children
+        os.kill(provider[0], signal.SIGKILL)
+        rest, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = "".join(lines) + rest
+    assert proc.returncode == 0, out + err
+    assert "supervisor: provider exited; restarted it" in out, out
+    assert "daemon restarts: provider 1" in out, out
     assert re.search(r"^\[\s*\d+\.\ds\] cycle=\d+ machines=\d+", out, re.M), out  # plain lines without a TTY
     assert "=== BigFleet all-in-one summary ===" in out
     assert "double-assigned machines: 0" in out and "result: OK" in out
@@ -71,37 +95,6 @@ def test_all_in_one_runs_a_scenario_file_with_an_operator_cut_off(tmp_path: Path
     assert m and int(m.group(1)) == 10, out
     configured = re.search(r"configured in clusters (\d+)", out)
     assert configured and int(configured.group(1)) == 3, out  # alpha 2 machines, beta 1 (back after the cut)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_all_in_one_restarts_a_daemon_that_died() -> None:
-    import os
-    import signal
-
-    proc = subprocess.Popen([sys.executable, "-m", "bigfleet.cli.main", "all-in-one", "--clusters", "2",
-                             "--duration", "20", "--print-every", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-    try:
-        assert proc.stdout is not None
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("fleet up:"):
-                break
-        children = _children(proc.pid)
-        provider = [pid for pid, cmd in children if "fake-provider" in cmd]
-        assert len(provider) == 1, children
-        os.kill(provider[0], signal.SIGKILL)
-        out, err = proc.communicate(timeout=240)
-        out = "".join(lines) + out
-        assert proc.returncode == 0, out + err
-        assert "supervisor: provider exited; restarted it" in out, out
-        assert "daemon restarts: provider 1" in out and "result: OK" in out, out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def _children(pid: int) -> list[tuple[int, str]]:
