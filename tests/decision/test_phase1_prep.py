@@ -27,7 +27,7 @@ from .test_engine_properties import CLUSTERS, g, machines, needs
 S = MachineState
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 _FIELDS = ("cluster", "fp", "reqs", "prio", "ib", "rb", "group", "same", "spreads", "agg", "minu", "arrival",
-           "order", "key", "remaining", "p1_remaining", "freed")
+           "key", "remaining", "p1_remaining", "freed")
 
 
 def _reference_fields(nd: Need, dims: tuple[str, ...]) -> dict[str, object]:
@@ -54,6 +54,7 @@ def test_rows_from_memos_equal_rows_built_need_by_need(ms: list[Machine], ns1: l
     maker, fold = RowMaker(dims), FoldMemo()
     free = {ci for (_st, ci) in ix.pool}
     for ns in (ns1, ns2, ns1):  # the memos are shared by every cluster of a cycle
+        orders: list[tuple[str, tuple[object, ...]]] = []
         for c in CLUSTERS:
             cn = [n for n in ns if n.cluster_id == c]
             rows, folded, dep = cluster_rows(maker, cn, ix, free, fold)
@@ -61,8 +62,14 @@ def test_rows_from_memos_equal_rows_built_need_by_need(ms: list[Machine], ns1: l
             assert (folded, dep) == (folded_ref, dep_ref)
             assert [(r.need, r.members) for r in rows] == raw
             for r, (nd, _members) in zip(rows, raw, strict=True):
-                assert {f: getattr(r, f) for f in _FIELDS} == _reference_fields(nd, dims)
+                ref = _reference_fields(nd, dims)
+                assert {f: getattr(r, f) for f in _FIELDS} == {f: ref[f] for f in _FIELDS}
                 assert r.park_key == ("" if r.same is None else r.cluster + "\x00" + r.group + "\x00" + r.fp)
+                orders.append((r.order, ref["order"]))
+        # the order string sorts (and ties) exactly as the precedence tuple
+        by_str = sorted(orders, key=lambda o: o[0])
+        assert [o[1] for o in by_str] == sorted(o[1] for o in orders)
+        assert len({o[0] for o in orders}) == len({o[1] for o in orders})
 
 
 def _reference_take(cy: CycleScratch, n: NeedRow, classes: list, penalty: float) -> None:
@@ -136,3 +143,14 @@ def test_acquire_and_credit_fast_paths_decide_as_the_plain_loops(ms: list[Machin
             mock.patch.object(cycle, "credit_all", _reference_credit_all):
         slow = decide(ns, Inventory(ms), NOW, state, EngineConfig())
     assert fast == slow
+
+
+@given(st.lists(st.integers(min_value=-(2**80), max_value=2**80) | st.integers(min_value=-(2**64), max_value=2**64),
+                min_size=2, max_size=40))
+def test_ordered_int_sorts_as_the_ints_do_inside_and_beyond_int64(xs: list[int]) -> None:
+    from bigfleet.decision.scratch import ordered_int
+
+    enc = [ordered_int(x) for x in xs]
+    assert sorted(xs) == [x for _, x in sorted(zip(enc, xs, strict=True))]
+    pairs = list(zip(xs, reversed(xs), strict=True))  # concatenated fields keep field-by-field order
+    assert sorted(pairs) == sorted(pairs, key=lambda p: ordered_int(p[0]) + ordered_int(p[1]))

@@ -123,13 +123,26 @@ def acquire_plan(cy: CycleScratch, classes: list[MClass], penalty: float) -> Pla
 
 def take_plan(cy: CycleScratch, n: NeedRow, plan: Plan) -> None:
     """Idle then Speculative, cheapest group first, until the need is covered."""
-    for state, group in plan:
+    take_plan_rows(cy, [n], plan)
+
+
+def take_plan_rows(cy: CycleScratch, rows: list[NeedRow], plan: Plan) -> None:
+    """`take_plan` for consecutive rows sharing one plan, group by group. The plan's pools are
+    disjoint, so each pool is taken from by the same rows in the same order as row by row (a row
+    reaches a group only while uncovered), and each group's set-up is paid once per run, not per row."""
+    left = rows
+    last = len(plan) - 1
+    for step, (state, group) in enumerate(plan):
         if len(group) == 1:
-            _bulk_take(cy, n, state, group[0])
+            c = group[0]
+            for n in left:
+                _bulk_take(cy, n, state, c)
         else:
-            _group_take(cy, n, state, group)
-        if not any(n.remaining):
-            return
+            _group_take(cy, left, state, group)
+        if step < last:
+            left = [n for n in left if any(n.remaining)]
+            if not left:
+                return
 
 
 def _group_heap(cy: CycleScratch, state: int, group: list[MClass]) -> list[tuple[float, str, int]]:
@@ -150,50 +163,58 @@ def _group_heap(cy: CycleScratch, state: int, group: list[MClass]) -> list[tuple
     return h
 
 
-def _group_take(cy: CycleScratch, n: NeedRow, state: int, group: list[MClass]) -> None:
-    """Pick one machine at a time from a group of equal-cost classes in (reclamation, id) order:
-    `next_in_group` and `CycleScratch.take` inlined (realistic-50k picks ~40 000 machines this way,
-    one per need), moving the picked class's heap entry on to its next machine at once."""
+def _group_take(cy: CycleScratch, rows: list[NeedRow], state: int, group: list[MClass]) -> None:
+    """Pick one machine at a time from a group of equal-cost classes in (reclamation, id) order, for
+    each row in turn until it is covered: `next_in_group` and `CycleScratch.take` inlined
+    (realistic-50k picks ~50 000 machines this way, one per need), moving the picked class's heap
+    entry on to its next machine at once."""
     h = _group_heap(cy, state, group)
     pool, cursor, claim, taken, pool_ver, alloc = cy.ix.pool, cy.cursor, cy.claim, cy.taken, cy.pool_ver, cy.alloc
-    got = n.acquired_idle if state == IDLE else n.acquired_spec
-    claimed = n.claimed
-    rem = n.remaining
-    while h:
-        _, mid, ci = h[0]
-        key = (state, ci)
-        lst = pool[key]
-        size = len(lst)
-        i = cursor.get(key, 0)
-        while i < size and lst[i].id in claim:
+    zero, idle = cy.zero, state == IDLE
+    for n in rows:
+        rem = n.remaining
+        if not h:
+            return
+        if not any(rem):
+            continue
+        got = n.acquired_idle if idle else n.acquired_spec
+        claimed = n.claimed
+        while h:
+            _, mid, ci = h[0]
+            key = (state, ci)
+            lst = pool[key]
+            size = len(lst)
+            i = cursor.get(key, 0)
+            while i < size and lst[i].id in claim:
+                i += 1
+            if i >= size:
+                cursor[key] = i
+                heapq.heappop(h)
+                continue
+            m = lst[i]
+            if m.id != mid:
+                cursor[key] = i
+                heapq.heapreplace(h, (m_reclamation(m), m.id, ci))
+                continue
+            claim[mid] = n
+            claimed.append(m)
+            got.append(m)
+            taken[key] = taken.get(key, 0) + 1
+            pool_ver[ci] = pool_ver.get(ci, 0) + 1
             i += 1
-        if i >= size:
             cursor[key] = i
-            heapq.heappop(h)
-            continue
-        m = lst[i]
-        if m.id != mid:
-            cursor[key] = i
-            heapq.heapreplace(h, (m_reclamation(m), m.id, ci))
-            continue
-        claim[mid] = n
-        claimed.append(m)
-        got.append(m)
-        taken[key] = taken.get(key, 0) + 1
-        pool_ver[ci] = pool_ver.get(ci, 0) + 1
-        i += 1
-        cursor[key] = i
-        if i < size:
-            nxt = lst[i]
-            heapq.heapreplace(h, (m_reclamation(nxt), nxt.id, ci))
-        else:
-            heapq.heappop(h)
-        a = alloc[ci]
-        if all(map(le, rem, a)):  # the machine covers what was left (a single-machine need): no vector to build
-            rem = cy.zero
-            break
-        rem = vsub(rem, a)
-    n.remaining = rem
+            if i < size:
+                nxt = lst[i]
+                r = nxt.assignment.reclamation_penalty_dollars  # (`m_reclamation` inlined)
+                heapq.heapreplace(h, (0.0 if r != r or r < 0 else r, nxt.id, ci))
+            else:
+                heapq.heappop(h)
+            a = alloc[ci]
+            if all(map(le, rem, a)):  # the machine covers what was left (a single-machine need): no vector to build
+                rem = zero
+                break
+            rem = vsub(rem, a)
+        n.remaining = rem
 
 
 def acquire_spread(cy: CycleScratch, n: NeedRow, classes: list[MClass], penalty: float) -> None:

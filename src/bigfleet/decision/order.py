@@ -13,7 +13,7 @@ from operator import attrgetter
 from bigfleet.needs import Need, NeedsTable
 from bigfleet.needs.penalty import bucket_dollars
 
-from .acquire import Plan, acquire_plan, acquire_spread, take_plan
+from .acquire import Plan, acquire_plan, acquire_spread, take_plan, take_plan_rows
 from .credit import credit_plain
 from .index import CONFIGURED, CONFIGURING
 from .same_domain import credit_same
@@ -64,16 +64,34 @@ def credit_all(cy: CycleScratch, rows: list[NeedRow], state: EngineState, gangs_
 
 def acquire_all(cy: CycleScratch, rows: list[NeedRow]) -> None:
     """Pass 2: acquire Idle then Speculative for what is left, in precedence order. A plain need's
-    plan depends only on its requirements, MinUnit and interruption bucket (memoised by fingerprint)."""
+    plan depends only on its requirements, MinUnit and interruption bucket (memoised by fingerprint).
+    Consecutive plain rows with one plan (the many one-pod needs of one shape, cluster after cluster)
+    are taken as one run; any other row first ends the run, so the order of takes is unchanged."""
     plans: dict[tuple[str, Vec], Plan] = {}
     #: (the gang's domain list, its chosen domain, interruption bucket) → that domain's plan
     gang_plans: dict[tuple[int, str, int], Plan] = {}
+    run: list[NeedRow] = []
+    run_plan: Plan = []
     for n in rows:
         if not any(n.remaining) or n.parked:
             continue
-        if n.same is not None:
-            if not n.same_domain:
-                continue
+        if n.same is None and not n.spreads:
+            pk = (n.fp, n.minu)
+            plan = plans.get(pk)
+            if plan is None:
+                plan = plans[pk] = acquire_plan(cy, cy.eligible(n), bucket_dollars(n.ib))
+            if plan is not run_plan:
+                if run:
+                    take_plan_rows(cy, run, run_plan)
+                run, run_plan = [], plan
+            run.append(n)
+            continue
+        if run:
+            take_plan_rows(cy, run, run_plan)
+            run = []
+        if n.same is None:
+            acquire_spread(cy, n, cy.eligible(n), bucket_dollars(n.ib))
+        elif n.same_domain:
             domains = cy.domains(n, n.same.key)
             gk = (id(domains), n.same_domain, n.ib)  # (the list lives as long as the scratch)
             plan = gang_plans.get(gk)
@@ -81,11 +99,5 @@ def acquire_all(cy: CycleScratch, rows: list[NeedRow]) -> None:
                 dom_classes = next((cl for v, cl in domains if v == n.same_domain), [])
                 plan = gang_plans[gk] = acquire_plan(cy, dom_classes, bucket_dollars(n.ib))
             take_plan(cy, n, plan)
-        elif n.spreads:
-            acquire_spread(cy, n, cy.eligible(n), bucket_dollars(n.ib))
-        else:
-            pk = (n.fp, n.minu)
-            plan = plans.get(pk)
-            if plan is None:
-                plan = plans[pk] = acquire_plan(cy, cy.eligible(n), bucket_dollars(n.ib))
-            take_plan(cy, n, plan)
+    if run:
+        take_plan_rows(cy, run, run_plan)

@@ -69,8 +69,9 @@ class NeedRow:
         "victims",
     )
 
-    def __init__(self, need: Need, members: list[Need], info: ProfileInfo, agg: Vec, minu: Vec, zero: Vec) -> None:
-        fp, self.reqs, self.prio, self.ib, self.rb, group, self.same, self.spreads, o_prio, o_ib, o_rb = info
+    def __init__(self, need: Need, members: list[Need], info: ProfileInfo, agg: Vec, minu: Vec, zero: Vec,
+                 arrival_key: str) -> None:
+        fp, self.reqs, self.prio, self.ib, self.rb, group, self.same, self.spreads, order_prefix = info
         self.need = need
         self.members = members
         c = self.cluster = need.cluster_id
@@ -78,9 +79,11 @@ class NeedRow:
         self.group = group
         self.agg = agg
         self.minu = minu
-        arrival = self.arrival = need.arrival_unix_nanos
-        self.order = (o_prio, o_ib, o_rb, arrival, c, fp)
-        self.key = c + "\x00" + fp
+        self.arrival = need.arrival_unix_nanos
+        key = self.key = f"{c}\x00{fp}"
+        #: precedence as one string (priority desc, buckets desc, arrival, cluster, fingerprint): a
+        #: cycle sorts tens of thousands of rows, and strings compare in C where tuples do not
+        self.order = f"{order_prefix}{arrival_key}{key}"
         #: (read for Same rows only: parking and sticky domains are per gang)
         self.park_key = "" if self.same is None else c + "\x00" + group + "\x00" + fp
         self.parked = False
@@ -100,9 +103,22 @@ class NeedRow:
 
 
 #: what a row takes from its profile: (fingerprint, requirements, priority, interruption bucket,
-#: reclamation bucket, group, Same requirement, strict spreads, then the three order-key prefixes)
+#: reclamation bucket, group, Same requirement, strict spreads, then its part of the order key)
 ProfileInfo = tuple[str, tuple[Requirement, ...], int, int, int, str, Requirement | None,
-                    tuple[TopologySpread, ...], int, int, int]
+                    tuple[TopologySpread, ...], str]
+
+_INT64 = 1 << 63
+
+
+def ordered_int(x: int) -> str:
+    """`x` as a string that sorts as the int does: nine characters within int64 (what the wire
+    carries), longer but still ordered beyond it. Concatenated fields stay ordered field by field."""
+    if -_INT64 <= x < _INT64:
+        return "\x01" + (x + _INT64).to_bytes(8, "big").decode("latin-1")
+    mag = abs(x).to_bytes((abs(x).bit_length() + 7) // 8, "big").decode("latin-1")
+    if x > 0:  # (a longer magnitude is larger; the length leads)
+        return "\x02" + chr(len(mag)) + mag
+    return "\x00" + chr(0xFFFF - len(mag)) + "".join(chr(255 - ord(ch)) for ch in mag)
 
 
 def profile_info(p: Profile) -> ProfileInfo:
@@ -115,8 +131,8 @@ def profile_info(p: Profile) -> ProfileInfo:
     prio, ib, rb = int(p.priority), int(p.interruption_bucket), int(p.reclamation_bucket)
     #: every DoNotSchedule spread term (a gang's Same supersedes them)
     spreads = tuple(s for s in p.spread if s.strict) if same is None else ()
-    return (p.fingerprint(), p.requirements, prio, ib, rb, p.group, same, spreads,
-            -prio, -(ib if ib > 1 else 1), -(rb if rb > 1 else 1))
+    prefix = ordered_int(-prio) + ordered_int(-(ib if ib > 1 else 1)) + ordered_int(-(rb if rb > 1 else 1))
+    return (p.fingerprint(), p.requirements, prio, ib, rb, p.group, same, spreads, prefix)
 
 
 class RowMaker:
@@ -128,6 +144,8 @@ class RowMaker:
         self.zero: Vec = tuple([0] * len(dims))
         self.infos: dict[str, ProfileInfo] = {}
         self.vecs: dict[tuple[tuple[str, int], ...], Vec] = {}
+        #: arrival → its order-key part (the needs of one roll-up share an arrival)
+        self.arrivals: dict[int, str] = {}
 
     def info(self, p: Profile) -> ProfileInfo:
         got = self.infos.get(p._fingerprint)
@@ -150,11 +168,18 @@ class RowMaker:
         return [self.row(nd, members, self.info(nd.profile)) for nd, members in raw]
 
     def row(self, nd: Need, members: list[Need], info: ProfileInfo) -> NeedRow:
-        return NeedRow(nd, members, info, self.vec(nd.aggregate_resources), self.vec(nd.min_unit), self.zero)
+        return NeedRow(nd, members, info, self.vec(nd.aggregate_resources), self.vec(nd.min_unit), self.zero,
+                       self.arrival_key(nd.arrival_unix_nanos))
+
+    def arrival_key(self, arrival: int) -> str:
+        got = self.arrivals.get(arrival)
+        if got is None:
+            got = self.arrivals[arrival] = ordered_int(arrival)
+        return got
 
     def plain_rows(self, needs: Sequence[Need], infos: list[ProfileInfo]) -> list[NeedRow]:
         """One row per need (no folding), `infos` their profiles' infos: the per-need loop inlined."""
-        vecs, vec, zero = self.vecs, self.vec, self.zero
+        vecs, vec, zero, arrivals = self.vecs, self.vec, self.zero, self.arrivals
         out = []
         for nd, info in zip(needs, infos, strict=True):
             agg, minu = nd.aggregate_resources, nd.min_unit
@@ -164,7 +189,10 @@ class RowMaker:
             mu = vecs.get(minu._items)
             if mu is None:
                 mu = vec(minu)
-            out.append(NeedRow(nd, [nd], info, a, mu, zero))
+            ak = arrivals.get(nd.arrival_unix_nanos)
+            if ak is None:
+                ak = self.arrival_key(nd.arrival_unix_nanos)
+            out.append(NeedRow(nd, [nd], info, a, mu, zero, ak))
         return out
 
 
