@@ -280,6 +280,34 @@ async def run(args: argparse.Namespace, scenario: Scenario) -> int:
                      cluster_ids=tuple(sorted(scenario.clusters)), dashboard_port=args.dashboard_port,
                      aws_emulator=args.aws_emulator)
     fleet = Fleet(spec)
+    _announce(spec, scenario)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    ops: list[WireOperator] = []
+    try:
+        await asyncio.to_thread(fleet.start)
+        # Production wiring: each operator is given the coordinator(s), not the shard, and is placed
+        # on a shard by its first LookupCluster (with its own cluster certificate under mTLS).
+        for cid, ws in sorted(scenario.clusters.items()):
+            tls = fleet.tls_for(f"cluster-{cid}")
+            ops.append(WireOperator(SimCluster(cid, ws), SimCoordinatorResolver(cid, fleet.coordinators, tls), tls))
+        for op in ops:
+            op.start()
+        await _fleet_up(fleet, spec, ops)
+        started = time.monotonic()
+        cycle, prev = await _drive(args, scenario, fleet, ops, stop, plain, started)
+        snap = await observe(fleet, ops, cycle, started, prev)
+        print(summary(snap, ops, time.monotonic() - started), flush=True)
+        return 0 if snap.double_assigned == 0 else 1
+    finally:
+        for op in ops:
+            await op.stop()
+        await asyncio.to_thread(fleet.stop)
+
+
+def _announce(spec: FleetSpec, scenario: Scenario) -> None:
     if spec.aws_emulator:
         print(f"starting coordinator, fake provider ({scenario.committed} bare-metal hosts), moto and the AWS "
               f"provider (~{scenario.speculative} on-demand and spot slots) and shard; logs in "
@@ -290,76 +318,62 @@ async def run(args: argparse.Namespace, scenario: Scenario) -> int:
     if spec.tls:
         print(f"mTLS on every hop; certificates in {spec.pki} (bigfleetctl: --tls-cert {spec.pki / 'admin.crt'} "
               f"--tls-key {spec.pki / 'admin.key'} --tls-ca {spec.pki / 'ca.crt'}, before the command)", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    ops: list[WireOperator] = []
-    started = time.monotonic()
-    snap = Snapshot()
-    try:
-        await asyncio.to_thread(fleet.start)
-        # Production wiring: each operator is given the coordinator(s), not the shard, and is placed
-        # on a shard by its first LookupCluster (with its own cluster certificate under mTLS).
-        ops = []
-        for cid, ws in sorted(scenario.clusters.items()):
-            tls = fleet.tls_for(f"cluster-{cid}")
-            ops.append(WireOperator(SimCluster(cid, ws), SimCoordinatorResolver(cid, fleet.coordinators, tls), tls))
-        for op in ops:
-            op.start()
-        provs = ", ".join(f"{n} {a}" if n else a for n, a in fleet.providers.items())
-        print(f"fleet up: shard {fleet.addrs['shard']}, coordinator {fleet.addrs['coordinator']}, "
-              f"provider{'s' if len(fleet.providers) > 1 else ''} {provs}; {len(ops)} simulated clusters placed "
-              "through the coordinator"
-              + (" (mTLS)" if spec.tls else ""), flush=True)
-        dashboard_up = await asyncio.to_thread(fleet.wait_dashboard)
-        print(f"dashboard: {fleet.dashboard_url}" if dashboard_up else
-              f"dashboard: not answering at {fleet.dashboard_url} (see {spec.workdir / 'logs'})", flush=True)
-        print("try, while it runs:", *(f"  {c}" for c in try_commands(fleet, ops[0].cluster_id if ops else "CLUSTER")), sep="\n",
-              flush=True)
-        subtitle = f"dashboard {fleet.dashboard_url}"
-        started = time.monotonic()
-        cycle, prev, last_print = 0, dict[str, float](), 0.0
-        live: Any = None
-        if not plain:
-            from rich.live import Live
 
-            live = Live(render_rich(snap, ops, args.duration, subtitle), refresh_per_second=2)
-            live.start()
-        try:
-            while not stop.is_set() and time.monotonic() - started < args.duration:
-                now_ns = time.time_ns()
-                for f in scenario.faults:
-                    if f.at == cycle and f.cluster:
-                        for op in ops:
-                            if op.cluster_id == f.cluster and f.kind in ("disconnect", "reconnect"):
-                                op.cut(f.kind == "disconnect")
-                for op in ops:
-                    op.tick(cycle, now_ns)
-                for name in await asyncio.to_thread(fleet.check):
-                    print(f"supervisor: {name} exited; restarted it", flush=True)
-                snap = await observe(fleet, ops, cycle, started, prev)
-                if plain:
-                    if snap.elapsed - last_print >= args.print_every:
-                        print(render_plain(snap, ops), flush=True)
-                        last_print = snap.elapsed
-                        prev = dict(snap.metrics)
-                else:
-                    live.update(render_rich(snap, ops, args.duration, subtitle))
+
+async def _fleet_up(fleet: Fleet, spec: FleetSpec, ops: list[WireOperator]) -> None:
+    """Say where everything is, the dashboard's URL once it answers, and what to try."""
+    provs = ", ".join(f"{n} {a}" if n else a for n, a in fleet.providers.items())
+    print(f"fleet up: shard {fleet.addrs['shard']}, coordinator {fleet.addrs['coordinator']}, "
+          f"provider{'s' if len(fleet.providers) > 1 else ''} {provs}; {len(ops)} simulated clusters placed "
+          "through the coordinator"
+          + (" (mTLS)" if spec.tls else ""), flush=True)
+    dashboard_up = await asyncio.to_thread(fleet.wait_dashboard)
+    print(f"dashboard: {fleet.dashboard_url}" if dashboard_up else
+          f"dashboard: not answering at {fleet.dashboard_url} (see {spec.workdir / 'logs'})", flush=True)
+    print("try, while it runs:", *(f"  {c}" for c in try_commands(fleet, ops[0].cluster_id if ops else "CLUSTER")),
+          sep="\n", flush=True)
+
+
+async def _drive(args: argparse.Namespace, scenario: Scenario, fleet: Fleet, ops: list[WireOperator],
+                 stop: asyncio.Event, plain: bool, started: float) -> tuple[int, dict[str, float]]:
+    """Tick the simulated clusters, apply the scenario's faults, restart dead daemons and show the
+    fleet until the duration ends or a signal; returns the ticks run and the last metrics shown."""
+    subtitle = f"dashboard {fleet.dashboard_url}"
+    cycle, prev, last_print = 0, dict[str, float](), 0.0
+    live: Any = None
+    if not plain:
+        from rich.live import Live
+
+        live = Live(render_rich(Snapshot(), ops, args.duration, subtitle), refresh_per_second=2)
+        live.start()
+    try:
+        while not stop.is_set() and time.monotonic() - started < args.duration:
+            now_ns = time.time_ns()
+            for f in scenario.faults:
+                if f.at == cycle and f.cluster:
+                    for op in ops:
+                        if op.cluster_id == f.cluster and f.kind in ("disconnect", "reconnect"):
+                            op.cut(f.kind == "disconnect")
+            for op in ops:
+                op.tick(cycle, now_ns)
+            for name in await asyncio.to_thread(fleet.check):
+                print(f"supervisor: {name} exited; restarted it", flush=True)
+            snap = await observe(fleet, ops, cycle, started, prev)
+            if plain:
+                if snap.elapsed - last_print >= args.print_every:
+                    print(render_plain(snap, ops), flush=True)
+                    last_print = snap.elapsed
                     prev = dict(snap.metrics)
-                cycle += 1
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), args.tick)
-        finally:
-            if live is not None:
-                live.stop()
-        snap = await observe(fleet, ops, cycle, started, prev)
-        print(summary(snap, ops, time.monotonic() - started), flush=True)
-        return 0 if snap.double_assigned == 0 else 1
+            else:
+                live.update(render_rich(snap, ops, args.duration, subtitle))
+                prev = dict(snap.metrics)
+            cycle += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), args.tick)
     finally:
-        for op in ops:
-            await op.stop()
-        await asyncio.to_thread(fleet.stop)
+        if live is not None:
+            live.stop()
+    return cycle, prev
 
 
 def main(argv: list[str]) -> int:

@@ -153,7 +153,8 @@ class CoordinatorDaemon:
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self.reports: dict[str, SoftReport] = {}
-        self._hb_written: dict[str, int] = {}
+        #: shard → when its heartbeat was last written to the replicated state (at most every down_after / 4)
+        self.heartbeat_written: dict[str, int] = {}
         self._bind_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         self._metrics_server: MetricsServer | None = None
@@ -284,7 +285,7 @@ class CoordinatorDaemon:
                     self.log.info("leadership changed", leader=is_leader, term=raft.term())
                     if is_leader:
                         self.reports.clear()
-                        self._hb_written.clear()
+                        self.heartbeat_written.clear()
                     self._was_leader = is_leader
                 self.metrics.term.set(raft.term())
                 self.metrics.is_leader.set(1 if is_leader else 0)
@@ -548,7 +549,7 @@ class CoordinatorService(pbg.CoordinatorServicer):
         hb_every = int(d.cfg.down_after * 1e9 / 4)
         if (
             entry is None
-            or now - d._hb_written.get(sid, 0) > hb_every
+            or now - d.heartbeat_written.get(sid, 0) > hb_every
             or (request.shard_address and entry.address != request.shard_address)
             or (provider is not None and entry.provider_address != provider)
         ):
@@ -556,7 +557,7 @@ class CoordinatorService(pbg.CoordinatorServicer):
             if provider is not None:
                 cmd["provider_address"] = provider
             await d.write(cmd, context)
-            d._hb_written[sid] = now
+            d.heartbeat_written[sid] = now
         if in_order:
             d.reports[sid] = SoftReport(sid, request.cycle, request.shard_epoch, now, request.summary, list(request.shortfalls)[:100])
         if request.instruction_acks:

@@ -99,6 +99,14 @@ class ActionLog:
             n += 1
         return n
 
+    def observe_cycle(self, rec: Any) -> None:
+        """A shard's finished cycle (its `CycleRecord`): every cycle's actions, not only those a
+        dashboard sample happens to see."""
+        dec = rec.decision
+        if dec is not None and (dec.actions or dec.suppressed):
+            self.add_cycle(rec.cycle, rec.computed_at_unix_nanos / 1e9, dec.actions, dec.suppressed,
+                           "" if dec.mode == "normal" else dec.mode)
+
     def to_json(self, limit: int = 100) -> list[dict[str, Any]]:
         rows = list(self._ring)[-limit:]
         rows.reverse()

@@ -7,14 +7,19 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from google.protobuf import json_format
 
 from bigfleet.dashboard.model import SUMMED, ActionLog, History, Sample, ShortfallAges, shortfall_key
+from bigfleet.machine.record import Machine
 from bigfleet.machine.state import MachineState
+from bigfleet.needs import Need
 from bigfleet.v1alpha1 import coordinator_pb2, shardread_pb2
+
+if TYPE_CHECKING:
+    from bigfleet.shard.daemon import ShardDaemon
 
 BOUND_RECORD_STATES = frozenset({MachineState.CONFIGURING, MachineState.CONFIGURED, MachineState.DRAINING})
 NEEDS_SHOWN = 200
@@ -103,7 +108,9 @@ class ShardSource:
 
     component = "shard"
 
-    def __init__(self, daemon: Any, address: str = "") -> None:
+    def __init__(self, daemon: ShardDaemon, address: str = "", actions: ActionLog | None = None) -> None:
+        """``actions``: the log the daemon was built to feed (`ActionLog.observe_cycle` among its
+        cycle observers); without one, only the cycles a sample sees are logged."""
         from bigfleet.shard.readsvc import ShardAdminServicer, ShardReadServicer
 
         self.d = daemon
@@ -112,16 +119,7 @@ class ShardSource:
         self.admin = ShardAdminServicer(daemon)
         self.history = History()
         self.ages = ShortfallAges()
-        self.actions = ActionLog()
-        observers = getattr(daemon, "cycle_observers", None)
-        if observers is not None:  # every cycle's actions, not only those a sample happens to see
-            observers.append(self.observe_cycle)
-
-    def observe_cycle(self, rec: Any) -> None:
-        dec = rec.decision
-        if dec is not None and (dec.actions or dec.suppressed):
-            self.actions.add_cycle(rec.cycle, rec.computed_at_unix_nanos / 1e9, dec.actions, dec.suppressed,
-                                   "" if dec.mode == "normal" else dec.mode)
+        self.actions = actions if actions is not None else ActionLog()
 
     def _satisfied(self, rec: Any) -> Callable[[str, str], bool | None]:
         """(cluster, fingerprint) → the last cycle's verdict, from the same record ShardRead serves."""
@@ -144,43 +142,15 @@ class ShardSource:
         sfs = await self.read.ListShortfalls(shardread_pb2.ListShortfallsRequest(), ctx)
         act = await self.admin.GetActuation(shardread_pb2.GetActuationRequest(), ctx)
         rec = self.d.last
-        self.observe_cycle(rec)  # no-op for a cycle already recorded
+        self.actions.observe_cycle(rec)  # no-op for a cycle already recorded
         shard_id = self.d.config.shard_id
         by_state = {short_state(k): v for k, v in sorted(counts.by_state.items())}
         free = by_state.get("idle", 0) + by_state.get("speculative", 0)
         bound_total = sum(counts.bound_by_cluster.values())
         verdict = self._satisfied(rec)
-        need_sum: dict[str, dict[str, int]] = {}
-        per_cluster: dict[str, dict[str, Any]] = {}
-        unmet = 0
-        for n in rec.needs:
-            cid = n.cluster_id
-            c = per_cluster.get(cid)
-            if c is None:
-                c = per_cluster[cid] = {"cluster_id": cid, "needs": 0, "satisfied": 0, "unmet": 0}
-                need_sum[cid] = {}
-            c["needs"] += 1
-            ok = verdict(cid, n.fingerprint)
-            if ok is False:
-                c["unmet"] += 1
-                unmet += 1
-            elif ok:
-                c["satisfied"] += 1
-            acc = need_sum[cid]
-            for k in SUMMED:
-                v = n.aggregate_resources.get(k)
-                if v:
-                    acc[k] = acc.get(k, 0) + v
+        per_cluster, need_sum, unmet = _cluster_needs(rec.needs, verdict)
         await asyncio.sleep(0)
-        bound_sum: dict[str, dict[str, int]] = {}
-        for m in self.d.view.machines():
-            if m.cluster and m.state in BOUND_RECORD_STATES:
-                acc = bound_sum.setdefault(m.cluster, {})
-                res = m.shape.allocatable
-                for k in SUMMED:
-                    v = res.get(k)
-                    if v:
-                        acc[k] = acc.get(k, 0) + v
+        bound_sum = _bound_sums(self.d.view.machines())
         for cid in counts.bound_by_cluster:
             per_cluster.setdefault(cid, {"cluster_id": cid, "needs": 0, "satisfied": 0, "unmet": 0})
         for c in per_cluster.values():
@@ -189,16 +159,7 @@ class ShardSource:
             c["session"] = self.d.sessions.get(c["cluster_id"]) is not None
         shortfalls = shortfall_rows(sfs.shortfalls, shard_id, self.ages, now)
         self.history.add(Sample(now, counts.total, bound_total, free, len(rec.needs), unmet, len(shortfalls)))
-        needs = []
-        for v in views:
-            needs.append({
-                "cluster_id": v.cluster_id, "priority": v.need.priority, "group": v.need.group,
-                "resources": dict(v.need.aggregate_resources), "satisfied": v.satisfied,
-                "claimed": v.claimed_machine_count, "age_cycles_unmet": v.age_cycles_unmet,
-                "unmet_reason": "" if v.satisfied else shardread_pb2.UnmetReason.Name(v.unmet_reason)
-                .removeprefix("UNMET_REASON_").lower(),
-                "fingerprint": v.profile_fingerprint,
-            })
+        needs = [_need_row(v) for v in views]
         status = "paused" if act.paused else ("dry-run" if act.dry_run else "up")
         return {
             "component": "shard",
@@ -228,6 +189,58 @@ class ShardSource:
             "actions": self.actions.to_json(),
             "history": self.history.to_json(),
         }
+
+
+def _cluster_needs(needs: Iterable[Need], verdict: Callable[[str, str], bool | None]
+                   ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, int]], int]:
+    """Per cluster: need counts by verdict and the summed demand; and how many needs are unmet."""
+    need_sum: dict[str, dict[str, int]] = {}
+    per_cluster: dict[str, dict[str, Any]] = {}
+    unmet = 0
+    for n in needs:
+        cid = n.cluster_id
+        c = per_cluster.get(cid)
+        if c is None:
+            c = per_cluster[cid] = {"cluster_id": cid, "needs": 0, "satisfied": 0, "unmet": 0}
+            need_sum[cid] = {}
+        c["needs"] += 1
+        ok = verdict(cid, n.fingerprint)
+        if ok is False:
+            c["unmet"] += 1
+            unmet += 1
+        elif ok:
+            c["satisfied"] += 1
+        acc = need_sum[cid]
+        for k in SUMMED:
+            q = n.aggregate_resources.get(k)
+            if q:
+                acc[k] = acc.get(k, 0) + q
+    return per_cluster, need_sum, unmet
+
+
+def _bound_sums(machines: Iterable[Machine]) -> dict[str, dict[str, int]]:
+    """Per cluster: the allocatable of its bound (configuring, configured, draining) machines."""
+    out: dict[str, dict[str, int]] = {}
+    for m in machines:
+        if m.cluster and m.state in BOUND_RECORD_STATES:
+            acc = out.setdefault(m.cluster, {})
+            res = m.shape.allocatable
+            for k in SUMMED:
+                q = res.get(k)
+                if q:
+                    acc[k] = acc.get(k, 0) + q
+    return out
+
+
+def _need_row(v: shardread_pb2.NeedView) -> dict[str, Any]:
+    return {
+        "cluster_id": v.cluster_id, "priority": v.need.priority, "group": v.need.group,
+        "resources": dict(v.need.aggregate_resources), "satisfied": v.satisfied,
+        "claimed": v.claimed_machine_count, "age_cycles_unmet": v.age_cycles_unmet,
+        "unmet_reason": "" if v.satisfied else shardread_pb2.UnmetReason.Name(v.unmet_reason)
+        .removeprefix("UNMET_REASON_").lower(),
+        "fingerprint": v.profile_fingerprint,
+    }
 
 
 def message_json(msg: Any) -> dict[str, Any]:

@@ -148,93 +148,103 @@ def plan_rebalance(
     The plan is a fixed point: planning again after applying it (and
     stamping moved bindings with a newer ``bound_at``) moves nothing.
     """
-    live_list = sorted(set(live))
+    planner = _Planner(bindings, live, load_factor)
     frozen_set = set(frozen)
-    live_set = set(live_list)
-    on_live = {c: s for c, s in bindings.items() if s in live_set}
-    stranded = sorted(c for c, s in bindings.items() if s not in live_set)
-    before = loads(on_live, live_list)
-    after = dict(before)
-    cap = capacity(len(on_live), len(live_list), load_factor)
-    current = dict(on_live)
-    moves: dict[str, Move] = {}
+    planner.shed(frozen_set)
+    planner.converge(frozen_set, joined_at, bound_at)
+    return planner.plan(len(bindings), max_moves)
 
-    def move(cluster: str, to: str) -> None:
-        frm = on_live[cluster]
-        after[current[cluster]] -= 1
-        after[to] += 1
-        current[cluster] = to
+
+class _Planner:
+    """One `plan_rebalance` run: the loads as moves are planned, and the moves so far."""
+
+    def __init__(self, bindings: Mapping[str, str], live: Iterable[str], load_factor: float) -> None:
+        self.live = sorted(set(live))
+        live_set = set(self.live)
+        self.on_live = {c: s for c, s in bindings.items() if s in live_set}
+        self.stranded = sorted(c for c, s in bindings.items() if s not in live_set)
+        self.before = loads(self.on_live, self.live)
+        self.after = dict(self.before)
+        self.cap = capacity(len(self.on_live), len(self.live), load_factor)
+        self.current = dict(self.on_live)
+        self.moves: dict[str, Move] = {}
+
+    def move(self, cluster: str, to: str) -> None:
+        frm = self.on_live[cluster]
+        self.after[self.current[cluster]] -= 1
+        self.after[to] += 1
+        self.current[cluster] = to
         if to == frm:
-            moves.pop(cluster, None)
+            self.moves.pop(cluster, None)
         else:
-            moves[cluster] = Move(cluster, frm, to)
+            self.moves[cluster] = Move(cluster, frm, to)
 
-    # 1. Shed from over-cap shards.
-    by_shard: dict[str, list[str]] = {s: [] for s in live_list}
-    for c, s in sorted(on_live.items()):
-        by_shard[s].append(c)
-    for s in live_list:
-        excess = after[s] - cap
-        if excess <= 0:
-            continue
-        candidates = [c for c in by_shard[s] if c not in frozen_set]
-        candidates.sort(key=lambda c: (score(c, s), c))
-        for c in candidates:
+    def shed(self, frozen: set[str]) -> None:
+        """1. Over-cap shards give up the clusters they rank lowest to their best live shard with room."""
+        by_shard: dict[str, list[str]] = {s: [] for s in self.live}
+        for c, s in sorted(self.on_live.items()):
+            by_shard[s].append(c)
+        after, cap = self.after, self.cap
+        for s in self.live:
+            excess = after[s] - cap
             if excess <= 0:
-                break
-            for t in rank(c, live_list):
-                if t != s and after[t] < cap:
-                    move(c, t)
-                    excess -= 1
+                continue
+            candidates = [c for c in by_shard[s] if c not in frozen]
+            candidates.sort(key=lambda c: (score(c, s), c))
+            for c in candidates:
+                if excess <= 0:
                     break
+                for t in rank(c, self.live):
+                    if t != s and after[t] < cap:
+                        self.move(c, t)
+                        excess -= 1
+                        break
 
-    # 2. Converge on the HRW preference where the preferred shard has room.
-    # A cluster that reached its preferred shard never moves again, so the
-    # passes end; repeating them makes the plan a fixed point (a move that
-    # frees room can unblock a cluster examined earlier).
-    floor = math.floor(len(on_live) / len(live_list) / 2) if live_list else 0
-    pending: list[tuple[str, str]] = []
-    for c in sorted(current):
-        if c in frozen_set:
-            continue
-        top = preferred(c, live_list)
-        if top is not None and top != current[c]:
-            pending.append((c, top))
+    def converge(self, frozen: set[str], joined_at: Mapping[str, int] | None,
+                 bound_at: Mapping[str, int] | None) -> None:
+        """2. Clusters move to their HRW-preferred shard where it has room and the move is wanted.
 
-    def wanted(c: str, top: str) -> bool:
-        if joined_at is None or bound_at is None:
-            return True
-        newer = joined_at.get(top, 0) > bound_at.get(c, 0)
-        return newer or after[top] < floor
+        A cluster that reached its preferred shard never moves again, so the passes end; repeating
+        them makes the plan a fixed point (a move that frees room can unblock an earlier cluster)."""
+        floor = math.floor(len(self.on_live) / len(self.live) / 2) if self.live else 0
+        after = self.after
 
-    progress = True
-    while progress and pending:
-        progress = False
-        waiting: list[tuple[str, str]] = []
-        for c, top in pending:
-            if after[top] < cap and wanted(c, top):
-                move(c, top)
-                progress = True
-            else:
-                waiting.append((c, top))
-        pending = waiting
+        def wanted(c: str, top: str) -> bool:
+            if joined_at is None or bound_at is None:
+                return True
+            newer = joined_at.get(top, 0) > bound_at.get(c, 0)
+            return newer or after[top] < floor
 
-    out = sorted(moves.values(), key=lambda m: m.cluster_id)
-    if max_moves > 0 and len(out) > max_moves:
-        out = out[:max_moves]
-        after = dict(before)
-        for m in out:
-            after[m.from_shard] -= 1
-            after[m.to_shard] += 1
-    return RebalancePlan(
-        moves=out,
-        total_clusters=len(bindings),
-        live_shards=live_list,
-        cap=cap,
-        load_before=before,
-        load_after=after,
-        stranded=stranded,
-    )
+        pending: list[tuple[str, str]] = []
+        for c in sorted(self.current):
+            if c in frozen:
+                continue
+            top = preferred(c, self.live)
+            if top is not None and top != self.current[c]:
+                pending.append((c, top))
+        progress = True
+        while progress and pending:
+            progress = False
+            waiting: list[tuple[str, str]] = []
+            for c, top in pending:
+                if after[top] < self.cap and wanted(c, top):
+                    self.move(c, top)
+                    progress = True
+                else:
+                    waiting.append((c, top))
+            pending = waiting
+
+    def plan(self, total: int, max_moves: int) -> RebalancePlan:
+        out = sorted(self.moves.values(), key=lambda m: m.cluster_id)
+        after = self.after
+        if max_moves > 0 and len(out) > max_moves:
+            out = out[:max_moves]
+            after = dict(self.before)
+            for m in out:
+                after[m.from_shard] -= 1
+                after[m.to_shard] += 1
+        return RebalancePlan(moves=out, total_clusters=total, live_shards=self.live, cap=self.cap,
+                             load_before=self.before, load_after=after, stranded=self.stranded)
 
 
 def max_over_mean(shard_loads: Mapping[str, int]) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -155,7 +155,8 @@ class ShardDaemon:
 
     def __init__(self, config: DaemonConfig, metrics: ShardMetrics, tls: TLSConfig | None = None,
                  provider: ShardProvider | None = None, log: ShardLog | None = None,
-                 coordinator: CoordinatorCalls | None = None) -> None:
+                 coordinator: CoordinatorCalls | None = None,
+                 cycle_observers: Sequence[Callable[[CycleRecord], None]] = ()) -> None:
         self.config = config
         self.metrics = metrics
         self.log: ShardLog = log if log is not None else LocalLog(HAState(epoch=config.epoch))
@@ -219,7 +220,7 @@ class ShardDaemon:
         self.last = CycleRecord()
         self.cycles = 0
         # Observers of each finished cycle (the dashboard's action log); called on the loop, must be cheap.
-        self.cycle_observers: list[Callable[[CycleRecord], None]] = []
+        self.cycle_observers = tuple(cycle_observers)
         self._trigger = asyncio.Event()
         self._stopping = asyncio.Event()
         self._last_compute = 0.0

@@ -214,6 +214,11 @@ class OperatorSession:
                     f.cancel()
         return sent
 
+    @property
+    def reclaims_unwritten(self) -> bool:
+        """Reclaim instructions queued and not written yet (the writer then checks each frame)."""
+        return bool(self._unwritten)
+
     def before_write(self, msg: shard_pb2.ShardMessage) -> bool:
         """Called by the writer before each frame when reclaims are pending; False: skip the frame
         (a withdrawn reclaim instruction)."""
@@ -464,7 +469,7 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
                     return
                 await outbox.wait()
                 continue
-            if session._unwritten:
+            if session.reclaims_unwritten:
                 if not session.before_write(f):
                     continue
                 await ctx.write(f)

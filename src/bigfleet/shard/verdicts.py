@@ -260,7 +260,7 @@ class NeedVerdictSender:
         """fingerprint → [bound, coming, a machine's allocatable] for the cluster's machines."""
         view = self.view
         # MachineView keeps a cluster → machine ids index for Hello replays; read it, do not scan.
-        ids: Mapping[str, None] = view._by_cluster.get(cluster_id, {})
+        ids = view.cluster_ids(cluster_id)
         out: dict[str, list[Any]] = {}
         for being_created, group in ((False, ids), (True, reserved)):
             for mid in group:

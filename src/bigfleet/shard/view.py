@@ -25,7 +25,7 @@ from __future__ import annotations
 import builtins
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from bigfleet.machine import Machine, ValidationError
 from bigfleet.machine import rejection_reason as _core_rejection_reason
@@ -297,6 +297,11 @@ class MachineView:
 
     def route(self, pb: provider_pb2.Machine) -> str:
         return pb.cluster or self.reserved_for.get(pb.id, "")
+
+    def cluster_ids(self, cluster_id: str) -> Mapping[str, None]:
+        """The ids of the machines whose records name the cluster (the index Hello replays read; a
+        live view, not a copy: do not keep it across awaits)."""
+        return self._by_cluster.get(cluster_id, {})
 
     def bound_to(self, cluster_id: str) -> list[provider_pb2.Machine]:
         """Records routed to ``cluster_id``: those naming it, then those being created for it."""

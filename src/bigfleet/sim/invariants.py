@@ -70,48 +70,8 @@ class InvariantChecker:
                     guard_held: frozenset[str] = frozenset()) -> None:
         self.cycle, self._now = cycle, now
         machines = provider.core.machines
-        # inventory conserved: the provider never gains or loses a record; the shard forgets none
-        if len(machines) != self.total_machines:
-            self._v("inventory-conserved", f"provider has {len(machines)} machines, started with {self.total_machines}")
-        missing = set(machines) - set(view.ids())
-        if missing:
-            self._v("inventory-conserved", f"shard lost track of {sorted(missing)[:5]}")
-        for mid in machines:
-            self._state.setdefault(mid, int(machines[mid].state))
-            self._since.setdefault(mid, now)
-        # one cluster per machine: the provider's binding and the shard's agree
-        for pb in view.all():
-            rec = machines.get(pb.id)
-            if rec is None:
-                continue
-            if pb.cluster and rec.cluster and pb.cluster != rec.cluster:
-                self._v("one-cluster", f"{pb.id}: shard says {pb.cluster}, provider says {rec.cluster}")
-        per_cluster: Counter[str] = Counter()
-        per_need: Counter[tuple[str, str]] = Counter()
-        for mid, rec in machines.items():
-            st = MachineState(int(rec.state))
-            since = self._since.get(mid, now)
-            limit = self.provider_timeout + 2 * self.cycle_seconds
-            if st in TRANSITIONAL and now - since > limit:
-                self._v("stuck-transitional", f"{mid} {st.name} for {now - since:.0f}s (> {limit:.0f}s)")
-            shown = view.get(mid)
-            # the shard shows a transition nobody drives: must settle within the execute timeout
-            if shown is not None and MachineState(int(shown.state)) in TRANSITIONAL and mid not in view.inflight \
-                    and now - since > self.execute_timeout + 2 * self.cycle_seconds:
-                self._v("stuck-transitional", f"shard shows {mid} {MachineState(int(shown.state)).name} undriven")
-            if st == MachineState.FAILED and not rec.last_error:
-                self._v("failed-has-reason", f"{mid} FAILED without last_error")
-            if shown is not None and int(shown.state) == MachineState.FAILED and not shown.last_error:
-                self._v("failed-has-reason", f"shard shows {mid} FAILED without last_error")
-            if st in BOUND and rec.cluster:
-                per_cluster[rec.cluster] += 1
-            if st in BOUND or st == MachineState.CREATING:
-                fp = decode_shard_metadata(rec.shard_metadata).need_fingerprint or ""
-                if st == MachineState.CREATING:
-                    cl = view.reserved_for.get(mid) or ""
-                    per_need[(cl, fp)] += 1
-                    if cl:
-                        per_cluster[cl] += 1
+        self._check_inventory(machines, view, now)
+        per_cluster, per_need = self._check_records(machines, view, now)
         # no double create for one need: never more machines being created for a need than it can use
         for key, n in per_need.items():
             bound = (need_bounds or {}).get(key)
@@ -132,7 +92,62 @@ class InvariantChecker:
         for mid, n in creates.items():
             if n > 1 and MachineState(int(machines[mid].state)) == MachineState.CREATING:
                 self._v("no-double-create", f"{mid} has {n} Creates started and is CREATING")
-        # configured capacity never exceeds demand by more than one machine beyond the reclaim lag
+        self._check_overprovision(cycle, per_cluster, demand, guard_held)
+        for cluster, want in demand.items():
+            self._last_demand[cluster] = want
+
+    def _check_inventory(self, machines: dict[str, Any], view: Any, now: float) -> None:
+        """Inventory conserved (the provider never gains or loses a record; the shard forgets none),
+        and one cluster per machine (the provider's binding and the shard's agree)."""
+        if len(machines) != self.total_machines:
+            self._v("inventory-conserved", f"provider has {len(machines)} machines, started with {self.total_machines}")
+        missing = set(machines) - set(view.ids())
+        if missing:
+            self._v("inventory-conserved", f"shard lost track of {sorted(missing)[:5]}")
+        for mid in machines:
+            self._state.setdefault(mid, int(machines[mid].state))
+            self._since.setdefault(mid, now)
+        for pb in view.all():
+            rec = machines.get(pb.id)
+            if rec is None:
+                continue
+            if pb.cluster and rec.cluster and pb.cluster != rec.cluster:
+                self._v("one-cluster", f"{pb.id}: shard says {pb.cluster}, provider says {rec.cluster}")
+
+    def _check_records(self, machines: dict[str, Any], view: Any, now: float
+                       ) -> tuple[Counter[str], Counter[tuple[str, str]]]:
+        """Nothing stuck in a transition, every FAILED with a reason; returns machines bound per
+        cluster and CREATING per (cluster, need fingerprint)."""
+        per_cluster: Counter[str] = Counter()
+        per_need: Counter[tuple[str, str]] = Counter()
+        for mid, rec in machines.items():
+            st = MachineState(int(rec.state))
+            since = self._since.get(mid, now)
+            limit = self.provider_timeout + 2 * self.cycle_seconds
+            if st in TRANSITIONAL and now - since > limit:
+                self._v("stuck-transitional", f"{mid} {st.name} for {now - since:.0f}s (> {limit:.0f}s)")
+            shown = view.get(mid)
+            # the shard shows a transition nobody drives: must settle within the execute timeout
+            if shown is not None and MachineState(int(shown.state)) in TRANSITIONAL and mid not in view.inflight \
+                    and now - since > self.execute_timeout + 2 * self.cycle_seconds:
+                self._v("stuck-transitional", f"shard shows {mid} {MachineState(int(shown.state)).name} undriven")
+            if st == MachineState.FAILED and not rec.last_error:
+                self._v("failed-has-reason", f"{mid} FAILED without last_error")
+            if shown is not None and int(shown.state) == MachineState.FAILED and not shown.last_error:
+                self._v("failed-has-reason", f"shard shows {mid} FAILED without last_error")
+            if st in BOUND and rec.cluster:
+                per_cluster[rec.cluster] += 1
+            if st == MachineState.CREATING:
+                fp = decode_shard_metadata(rec.shard_metadata).need_fingerprint or ""
+                cl = view.reserved_for.get(mid) or ""
+                per_need[(cl, fp)] += 1
+                if cl:
+                    per_cluster[cl] += 1
+        return per_cluster, per_need
+
+    def _check_overprovision(self, cycle: int, per_cluster: Counter[str], demand: dict[str, int],
+                             guard_held: frozenset[str]) -> None:
+        """Configured capacity never exceeds demand by more than one machine beyond the reclaim lag."""
         for cluster, have in per_cluster.items():
             want = demand.get(cluster, 0)
             prev = self._last_demand.get(cluster, want)
@@ -160,8 +175,6 @@ class InvariantChecker:
             if have > want + 1 + allowance:
                 self._v("no-overprovision", f"{cluster}: {have} machines bound for a demand of at most {want} "
                                             f"(+1, +{allowance} reclaim lag)")
-        for cluster, want in demand.items():
-            self._last_demand[cluster] = want
 
     def at_end(self, now: float, provider: Any, view: Any) -> None:
         """The run ends with nothing in flight and nothing transitional past its timeout."""

@@ -28,6 +28,7 @@ from grpc_health.v1 import health as grpc_health
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from bigfleet.coordclient.client import CoordinatorClient, HeartbeatLoop
+from bigfleet.dashboard.model import ActionLog
 from bigfleet.dashboard.sources import ShardSource
 from bigfleet.observability import get_logger
 from bigfleet.rpc.options import NOT_SERVING, SERVING
@@ -203,10 +204,12 @@ class HAController:
         provider = build_provider(parse_provider_specs(cfg.provider), lambda target: FencedProviderClient(
             target, cfg.shard_id, epoch, self.metrics, tls=self.tls, on_fenced=self._on_fenced))
         hb = self.heartbeats
+        actions = ActionLog()  # (the dashboard's log of every cycle's actions)
         daemon = ShardDaemon(cfg, self.metrics, tls=self.tls, provider=provider, log=self.raft,
-                             coordinator=hb.client if hb is not None else None)
+                             coordinator=hb.client if hb is not None else None,
+                             cycle_observers=(actions.observe_cycle,))
         self.read_servicer, self.admin_servicer = ShardReadServicer(daemon), ShardAdminServicer(daemon)
-        self.dashboard_source = ShardSource(daemon, self.advertise)
+        self.dashboard_source = ShardSource(daemon, self.advertise, actions)
         self.daemon = daemon
         self.takeovers += 1
         self.ha_metrics.takeovers.inc()

@@ -70,35 +70,18 @@ async def serve(settings: ShardSettings, tls: TLSConfig | None = None) -> int:
         log.error(member)
         return 2
     bind, peers, password = member
-    data_dir = Path(settings.data_dir)
-    try:
-        data_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        log.error("cannot use the data dir", data_dir=str(data_dir), error=str(exc))
+    data_dir = _data_dir(settings, log)
+    if data_dir is None:
         return 1
     epoch_file = data_dir / "epoch"
-    if epoch_file.exists() and not epoch_file.read_text().strip().isdigit():
-        # Guessing would risk leading with an epoch a previous incarnation already used.
-        log.error("corrupt epoch file; refusing to start", path=str(epoch_file))
-        return 1
     registry = new_registry(process_metrics=True)
     metrics = ShardMetrics(registry)
     session_limits = {"/bigfleet.v1alpha1.Shard/Session": SESSION_STREAM_LIMIT}
     server, health = build_server(
         RoleInterceptor(SHARD_POLICY, registry=registry, component="shard", stream_limits=session_limits)
     )
-    # Bind the Raft port on the named address only (as the coordinator does): pysyncobj would
-    # otherwise listen on every interface, and a group of one must stay on loopback.
-    raft_cfg = ShardRaftConfig(bind, peers, data_dir, password, bind_address=bind)
-    if peers:
-        raft_cfg.election_min, raft_cfg.election_max = settings.raft_election_min, settings.raft_election_max
-        raft_cfg.leader_fallback = settings.raft_leader_fallback
-        # (pysyncobj drops a peer silent this long; the longer elections need a longer allowance)
-        raft_cfg.connection_timeout = max(raft_cfg.connection_timeout, settings.raft_election_max)
-    problems = timing_problems(raft_cfg, {"election_min": "--raft-election-min", "election_max": "--raft-election-max",
-                                          "leader_fallback": "--raft-leader-fallback"})
-    if problems:
-        log.error("invalid Raft timings: " + "; ".join(problems))
+    raft_cfg = _raft_config(settings, bind, peers, password, data_dir, log)
+    if raft_cfg is None:
         return 2
     raft = ShardRaft(raft_cfg)
     coord_client = None
@@ -126,11 +109,7 @@ async def serve(settings: ShardSettings, tls: TLSConfig | None = None) -> int:
              provider=settings.provider, ownership=settings.ownership, paused=settings.paused,
              dry_run=settings.dry_run, dashboard_port=dashboard.port if dashboard is not None else None)
     runner = asyncio.create_task(ctrl.run(), name="shard-leadership")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await _signalled()
     log.info("shutting down")
     await health.enter_graceful_shutdown()
     runner.cancel()
@@ -146,6 +125,50 @@ async def serve(settings: ShardSettings, tls: TLSConfig | None = None) -> int:
         metrics_server.stop()
     log.info("stopped")
     return 0
+
+
+def _data_dir(settings: ShardSettings, log: FilteringBoundLogger) -> Path | None:
+    """The replica's data dir, created if missing; None (logged) when unusable or its epoch file is corrupt."""
+    data_dir = Path(settings.data_dir)
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        log.error("cannot use the data dir", data_dir=str(data_dir), error=str(exc))
+        return None
+    epoch_file = data_dir / "epoch"
+    if epoch_file.exists() and not epoch_file.read_text().strip().isdigit():
+        # Guessing would risk leading with an epoch a previous incarnation already used.
+        log.error("corrupt epoch file; refusing to start", path=str(epoch_file))
+        return None
+    return data_dir
+
+
+def _raft_config(settings: ShardSettings, bind: str, peers: list[str], password: str, data_dir: Path,
+                 log: FilteringBoundLogger) -> ShardRaftConfig | None:
+    """The Raft member's settings; None (logged, naming the flags) for timings pysyncobj would refuse."""
+    # Bind the Raft port on the named address only (as the coordinator does): pysyncobj would
+    # otherwise listen on every interface, and a group of one must stay on loopback.
+    raft_cfg = ShardRaftConfig(bind, peers, data_dir, password, bind_address=bind)
+    if peers:
+        raft_cfg.election_min, raft_cfg.election_max = settings.raft_election_min, settings.raft_election_max
+        raft_cfg.leader_fallback = settings.raft_leader_fallback
+        # (pysyncobj drops a peer silent this long; the longer elections need a longer allowance)
+        raft_cfg.connection_timeout = max(raft_cfg.connection_timeout, settings.raft_election_max)
+    problems = timing_problems(raft_cfg, {"election_min": "--raft-election-min", "election_max": "--raft-election-max",
+                                          "leader_fallback": "--raft-leader-fallback"})
+    if problems:
+        log.error("invalid Raft timings: " + "; ".join(problems))
+        return None
+    return raft_cfg
+
+
+async def _signalled() -> None:
+    """Until SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
 
 
 async def _start_dashboard(settings: ShardSettings, ctrl: HAController, log: FilteringBoundLogger) -> DashboardServer | None:
