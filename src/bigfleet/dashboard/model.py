@@ -6,9 +6,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bigfleet.needs.quantity import parse_quantity
+
+if TYPE_CHECKING:
+    from bigfleet.shard.daemon import CycleRecord
 
 # Resources the page sums; others are shown in the raw tables only.
 SUMMED = ("cpu", "memory", "nvidia.com/gpu")
@@ -99,7 +102,7 @@ class ActionLog:
             n += 1
         return n
 
-    def observe_cycle(self, rec: Any) -> None:
+    def observe_cycle(self, rec: CycleRecord) -> None:
         """A shard's finished cycle (its `CycleRecord`): every cycle's actions, not only those a
         dashboard sample happens to see."""
         dec = rec.decision

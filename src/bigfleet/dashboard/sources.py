@@ -20,6 +20,7 @@ from bigfleet.v1alpha1 import coordinator_pb2, shardread_pb2
 
 if TYPE_CHECKING:
     from bigfleet.shard.daemon import ShardDaemon
+    from bigfleet.shard.readsvc import ShardAdminServicer, ShardReadServicer
 
 BOUND_RECORD_STATES = frozenset({MachineState.CONFIGURING, MachineState.CONFIGURED, MachineState.DRAINING})
 NEEDS_SHOWN = 200
@@ -108,18 +109,17 @@ class ShardSource:
 
     component = "shard"
 
-    def __init__(self, daemon: ShardDaemon, address: str = "", actions: ActionLog | None = None) -> None:
-        """``actions``: the log the daemon was built to feed (`ActionLog.observe_cycle` among its
-        cycle observers); without one, only the cycles a sample sees are logged."""
-        from bigfleet.shard.readsvc import ShardAdminServicer, ShardReadServicer
-
+    def __init__(self, daemon: ShardDaemon, read: ShardReadServicer, admin: ShardAdminServicer, actions: ActionLog,
+                 address: str = "") -> None:
+        """``read``/``admin``: the servicers the replica serves for ``daemon`` (the page shows what
+        they answer); ``actions``: the log the daemon feeds as one of its cycle observers."""
         self.d = daemon
         self.address = address
-        self.read = ShardReadServicer(daemon)
-        self.admin = ShardAdminServicer(daemon)
+        self.read = read
+        self.admin = admin
         self.history = History()
         self.ages = ShortfallAges()
-        self.actions = actions if actions is not None else ActionLog()
+        self.actions = actions
 
     def _satisfied(self, rec: Any) -> Callable[[str, str], bool | None]:
         """(cluster, fingerprint) → the last cycle's verdict, from the same record ShardRead serves."""
@@ -142,7 +142,6 @@ class ShardSource:
         sfs = await self.read.ListShortfalls(shardread_pb2.ListShortfallsRequest(), ctx)
         act = await self.admin.GetActuation(shardread_pb2.GetActuationRequest(), ctx)
         rec = self.d.last
-        self.actions.observe_cycle(rec)  # no-op for a cycle already recorded
         shard_id = self.d.config.shard_id
         by_state = {short_state(k): v for k, v in sorted(counts.by_state.items())}
         free = by_state.get("idle", 0) + by_state.get("speculative", 0)

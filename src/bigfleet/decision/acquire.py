@@ -165,18 +165,16 @@ def _group_heap(cy: CycleScratch, state: int, group: list[MClass]) -> list[tuple
 
 def _group_take(cy: CycleScratch, rows: list[NeedRow], state: int, group: list[MClass]) -> None:
     """Pick one machine at a time from a group of equal-cost classes in (reclamation, id) order, for
-    each row in turn until it is covered: `next_in_group` and `CycleScratch.take` inlined
+    each row (all uncovered) in turn until it is covered: `next_in_group` and `CycleScratch.take` inlined
     (realistic-50k picks ~50 000 machines this way, one per need), moving the picked class's heap
     entry on to its next machine at once."""
     h = _group_heap(cy, state, group)
     pool, cursor, claim, taken, pool_ver, alloc = cy.ix.pool, cy.cursor, cy.claim, cy.taken, cy.pool_ver, cy.alloc
     zero, idle = cy.zero, state == IDLE
     for n in rows:
-        rem = n.remaining
         if not h:
             return
-        if not any(rem):
-            continue
+        rem = n.remaining
         got = n.acquired_idle if idle else n.acquired_spec
         claimed = n.claimed
         while h:

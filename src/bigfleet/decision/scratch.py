@@ -189,9 +189,10 @@ class RowMaker:
             mu = vecs.get(minu._items)
             if mu is None:
                 mu = vec(minu)
-            ak = arrivals.get(nd.arrival_unix_nanos)
+            at = nd.arrival_unix_nanos
+            ak = arrivals.get(at)
             if ak is None:
-                ak = self.arrival_key(nd.arrival_unix_nanos)
+                ak = arrivals[at] = ordered_int(at)
             out.append(NeedRow(nd, [nd], info, a, mu, zero, ak))
         return out
 

@@ -209,7 +209,7 @@ class HAController:
                              coordinator=hb.client if hb is not None else None,
                              cycle_observers=(actions.observe_cycle,))
         self.read_servicer, self.admin_servicer = ShardReadServicer(daemon), ShardAdminServicer(daemon)
-        self.dashboard_source = ShardSource(daemon, self.advertise, actions)
+        self.dashboard_source = ShardSource(daemon, self.read_servicer, self.admin_servicer, actions, self.advertise)
         self.daemon = daemon
         self.takeovers += 1
         self.ha_metrics.takeovers.inc()
