@@ -354,3 +354,22 @@ def test_provider_records_no_legal_path_explains_are_quarantined() -> None:
     assert v.observe(failed)
     assert v.observe(machine("m3", S.MACHINE_STATE_SPECULATIVE))  # a slot recycled out of band
     assert len(rejected) == 2
+
+
+async def test_reclaim_gate_opens_with_the_demand_not_while_its_commit_is_in_flight(daemon: ShardDaemon) -> None:
+    """A cycle can run while a roll-up's replicated commit is awaited. Had the gate opened first, that
+    cycle would see the cluster as rolled up over its old demand (empty just after an adoption) and
+    reclaim machines the new roll-up wants (seen in the handoff-window test under load)."""
+    seen: list[tuple[bool, bool, int]] = []
+    replace = daemon.intake.log.replace
+
+    async def observed_replace(cluster_id: str, data: bytes, now: int, epoch: int, timeout: float = 5.0) -> bool:
+        seen.append((daemon.store.has_rolled_up(cluster_id), cluster_id in daemon.store.engine_state().first_rollup,
+                     len(daemon.store.table.cluster(cluster_id))))
+        return await replace(cluster_id, data, now, epoch, timeout)
+
+    daemon.intake.log.replace = observed_replace  # type: ignore[method-assign]
+    assert (await daemon.handle_rollup("c1", rollup("c1", [need("1", count=2)]))).accepted
+    assert seen == [(False, False, 0)]  # during the commit: gate closed, no demand yet
+    assert daemon.store.has_rolled_up("c1") and "c1" in daemon.store.engine_state().first_rollup
+    assert daemon.store.table.cluster("c1")

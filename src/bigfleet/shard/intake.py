@@ -135,7 +135,6 @@ class RollupIntake:
             self.metrics.rollups_rejected.labels(cluster_id).inc()
             log.warning("roll-up rejected", cluster=cluster_id, error=str(exc))
             return RollupOutcome(False, error=str(exc))
-        self.store.mark_first_rollup(cluster_id)
         if not self.guard.admit(cluster_id, demand_size(needs), now):
             return await self._held(cluster_id, len(needs))
         if cluster_id in self._quarantine_shown:
@@ -144,6 +143,10 @@ class RollupIntake:
             self.metrics.rollup_quarantined.labels(cluster_id).set(0)
         if not await self._commit(cluster_id, pb, now):
             return RollupOutcome(False, error="roll-up not replicated (shard replica not leading); resend")
+        # The reclaim gate opens with the demand it guards, in one step: a cycle that ran while the
+        # commit was in flight must not see the gate open over the cluster's old (or, just after an
+        # adoption, empty) demand and reclaim what the new roll-up wants.
+        self.store.mark_first_rollup(cluster_id)
         changed = self.store.apply_rollup(cluster_id, needs, now)
         self._keep_budget(cluster_id, pb)
         self._digest[cluster_id] = digest
@@ -166,6 +169,7 @@ class RollupIntake:
             ok = False
         if not ok:
             return RollupOutcome(False, error="roll-up not replicated (shard replica not leading); resend")
+        self.store.mark_first_rollup(cluster_id)  # (the cluster has spoken; the demand it accepted last stays)
         return RollupOutcome(False, quarantined=True)
 
     async def _commit(self, cluster_id: str, pb: capacity_pb2.ClusterCapacityNeeds, now: int) -> bool:
