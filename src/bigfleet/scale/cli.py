@@ -291,12 +291,35 @@ def report(args: argparse.Namespace, shards: list[ShardProc], results: list[dict
            rss_idle: dict[str, float], rss_open: dict[str, float], sampler: Sampler, ready: int, open_s: float,
            workdir: Path, at_start: dict[str, stats.Samples] | None = None,
            first_round: dict[str, stats.Samples] | None = None) -> dict[str, Any]:
-    ack = [x for r in results for x in r["ack"]]
-    first_bind = [x for r in results for x in r["first_bind"]]
+    out = _load_summary(args, results, window, ready, open_s)
     per_shard_sessions: dict[str, int] = {}
     for r in results:
         for a, n in r["per_shard"].items():
             per_shard_sessions[a] = per_shard_sessions.get(a, 0) + n
+    for s in shards:
+        out["shards"][s.name] = {
+            "sessions": per_shard_sessions.get(s.addr, 0),
+            **_shard_report(after[s.name], before[s.name], window, sampler.series[s.name],
+                            (at_start or {}).get(s.name, {}), (first_round or {}).get(s.name, {})),
+            "cpu_cores": (cpu1[s.name] - cpu0[s.name]) / window,
+            "provider_cpu_cores": (pcpu1[s.name] - pcpu0[s.name]) / window,
+            "rss_idle_mb": rss_idle[s.name],
+            "rss_open_mb": rss_open[s.name],
+            "rss_max_mb": sampler.rss_max[s.name],
+        }
+    counts = [sh["sessions"] for sh in out["shards"].values()]
+    out["placement_max_over_mean"] = max(counts) / (sum(counts) / len(counts)) if sum(counts) else math.nan
+    out["fleet_rollups_accepted_per_s"] = sum(sh["rollups_accepted"] for sh in out["shards"].values()) / window
+    out["fleet_binds_issued_per_s"] = sum(sh["binds_issued"] for sh in out["shards"].values()) / window
+    out["workdir"] = str(workdir)
+    return out
+
+
+def _load_summary(args: argparse.Namespace, results: list[dict[str, Any]], window: float, ready: int,
+                  open_s: float) -> dict[str, Any]:
+    """What the load generators saw: roll-up acks, first binds, reconnects and errors."""
+    ack = [x for r in results for x in r["ack"]]
+    first_bind = [x for r in results for x in r["first_bind"]]
     out: dict[str, Any] = {
         "config": {k: v for k, v in vars(args).items() if k not in ("json_path",)},
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -320,60 +343,48 @@ def report(args: argparse.Namespace, shards: list[ShardProc], results: list[dict
     }
     if getattr(args, "prebind_info", None):
         out["prebind"] = args.prebind_info
-    for s in shards:
-        a, b = after[s.name], before[s.name]
-        cycles = stats.delta(a, b, "bigfleet_shard_cycles_total")
-        binds = sum(stats.delta(a, b, "bigfleet_shard_actions_total", kind=k) for k in BIND_KINDS)
-        binds_dry = sum(stats.delta(a, b, "bigfleet_shard_actions_dryrun_total", kind=k) for k in BIND_KINDS)
-        z = (at_start or {}).get(s.name, {})
-        # from shard start to the measurement window: the first cycles that credit the (pre-)bound fleet
-        kinds = ("Configure", "Create", "Drain", "Delete")
-        warm = {k: stats.delta(b, z, "bigfleet_shard_actions_total", kind=k) for k in kinds}
-        fr = (first_round or {}).get(s.name, {})
-        first = {k: stats.delta(fr, z, "bigfleet_shard_actions_total", kind=k) for k in kinds} if fr else {}
-        peak, mean = stats.per_cycle_peaks(sampler.series[s.name])
-        phases = {}
-        for ph in stats.label_values(a, "bigfleet_shard_cycle_phase_duration_seconds_bucket", "phase"):
-            phases[ph] = {
-                "p50_s_le": stats.histogram_quantile(a, b, "bigfleet_shard_cycle_phase_duration_seconds", 0.5, phase=ph),
-                "p99_s_le": stats.histogram_quantile(a, b, "bigfleet_shard_cycle_phase_duration_seconds", 0.99, phase=ph),
-            }
-        rpcs = {rpc: stats.delta(a, b, "bigfleet_shard_provider_rpc_duration_seconds_count", rpc=rpc) / window
-                for rpc in stats.label_values(a, "bigfleet_shard_provider_rpc_duration_seconds_count", "rpc")}
-        inv = {st: a.get(("bigfleet_shard_inventory_machines", (("state", st),)), 0.0)
-               for st in stats.label_values(a, "bigfleet_shard_inventory_machines", "state")}
-        out["shards"][s.name] = {
-            "sessions": per_shard_sessions.get(s.addr, 0),
-            "inventory": inv,
-            "cycles": cycles,
-            "cycle_p50_s_le": stats.histogram_quantile(a, b, "bigfleet_shard_cycle_duration_seconds", 0.5),
-            "cycle_p99_s_le": stats.histogram_quantile(a, b, "bigfleet_shard_cycle_duration_seconds", 0.99),
-            "phases": phases,
-            "rollup_handle_p99_ms_le": stats.histogram_quantile(a, b, "bigfleet_shard_rollup_handle_seconds", 0.99) * 1000,
-            "loop_lag_p99_ms_le": stats.histogram_quantile(a, b, "bigfleet_shard_event_loop_lag_seconds", 0.99) * 1000,
-            "rollups_accepted": stats.delta(a, b, "bigfleet_shard_rollups_total"),
-            "binds_issued": binds,
-            "binds_dry_run": binds_dry,
-            "drains_issued": stats.delta(a, b, "bigfleet_shard_actions_total", kind="Drain"),
-            "first_rollup_round_actions": first,
-            "warmup_actions": warm,
-            "warmup_cycles": stats.delta(b, z, "bigfleet_shard_cycles_total"),
-            "binds_per_cycle_mean": mean,
-            "binds_per_cycle_max": peak,
-            "shortfalls_last": a.get(("bigfleet_shard_shortfalls", ()), math.nan),
-            "provider_rpcs_per_s": rpcs,
-            "cpu_cores": (cpu1[s.name] - cpu0[s.name]) / window,
-            "provider_cpu_cores": (pcpu1[s.name] - pcpu0[s.name]) / window,
-            "rss_idle_mb": rss_idle[s.name],
-            "rss_open_mb": rss_open[s.name],
-            "rss_max_mb": sampler.rss_max[s.name],
-        }
-    counts = [sh["sessions"] for sh in out["shards"].values()]
-    out["placement_max_over_mean"] = max(counts) / (sum(counts) / len(counts)) if sum(counts) else math.nan
-    out["fleet_rollups_accepted_per_s"] = sum(sh["rollups_accepted"] for sh in out["shards"].values()) / window
-    out["fleet_binds_issued_per_s"] = sum(sh["binds_issued"] for sh in out["shards"].values()) / window
-    out["workdir"] = str(workdir)
     return out
+
+
+def _shard_report(a: stats.Samples, b: stats.Samples, window: float, series: list[tuple[float, float]],
+                  z: stats.Samples,
+                  fr: stats.Samples) -> dict[str, Any]:
+    """One shard's figures over the window (`b` to `a`), from its start (`z`) and its first round (`fr`)."""
+    binds = sum(stats.delta(a, b, "bigfleet_shard_actions_total", kind=k) for k in BIND_KINDS)
+    binds_dry = sum(stats.delta(a, b, "bigfleet_shard_actions_dryrun_total", kind=k) for k in BIND_KINDS)
+    # from shard start to the measurement window: the first cycles that credit the (pre-)bound fleet
+    kinds = ("Configure", "Create", "Drain", "Delete")
+    warm = {k: stats.delta(b, z, "bigfleet_shard_actions_total", kind=k) for k in kinds}
+    first = {k: stats.delta(fr, z, "bigfleet_shard_actions_total", kind=k) for k in kinds} if fr else {}
+    peak, mean = stats.per_cycle_peaks(series)
+    phase_metric = "bigfleet_shard_cycle_phase_duration_seconds"
+    phases = {ph: {"p50_s_le": stats.histogram_quantile(a, b, phase_metric, 0.5, phase=ph),
+                   "p99_s_le": stats.histogram_quantile(a, b, phase_metric, 0.99, phase=ph)}
+              for ph in stats.label_values(a, f"{phase_metric}_bucket", "phase")}
+    rpc_metric = "bigfleet_shard_provider_rpc_duration_seconds_count"
+    rpcs = {rpc: stats.delta(a, b, rpc_metric, rpc=rpc) / window for rpc in stats.label_values(a, rpc_metric, "rpc")}
+    inv = {st: a.get(("bigfleet_shard_inventory_machines", (("state", st),)), 0.0)
+           for st in stats.label_values(a, "bigfleet_shard_inventory_machines", "state")}
+    return {
+        "inventory": inv,
+        "cycles": stats.delta(a, b, "bigfleet_shard_cycles_total"),
+        "cycle_p50_s_le": stats.histogram_quantile(a, b, "bigfleet_shard_cycle_duration_seconds", 0.5),
+        "cycle_p99_s_le": stats.histogram_quantile(a, b, "bigfleet_shard_cycle_duration_seconds", 0.99),
+        "phases": phases,
+        "rollup_handle_p99_ms_le": stats.histogram_quantile(a, b, "bigfleet_shard_rollup_handle_seconds", 0.99) * 1000,
+        "loop_lag_p99_ms_le": stats.histogram_quantile(a, b, "bigfleet_shard_event_loop_lag_seconds", 0.99) * 1000,
+        "rollups_accepted": stats.delta(a, b, "bigfleet_shard_rollups_total"),
+        "binds_issued": binds,
+        "binds_dry_run": binds_dry,
+        "drains_issued": stats.delta(a, b, "bigfleet_shard_actions_total", kind="Drain"),
+        "first_rollup_round_actions": first,
+        "warmup_actions": warm,
+        "warmup_cycles": stats.delta(b, z, "bigfleet_shard_cycles_total"),
+        "binds_per_cycle_mean": mean,
+        "binds_per_cycle_max": peak,
+        "shortfalls_last": a.get(("bigfleet_shard_shortfalls", ()), math.nan),
+        "provider_rpcs_per_s": rpcs,
+    }
 
 
 def _fmt(v: Any) -> str:

@@ -402,71 +402,88 @@ async def _run_stream_handler(call: Awaitable[Any], strict: _StrictContext) -> A
     return result
 
 
+class _Gate:
+    """What a wrapped handler checks before its servicer runs: a well-formed request and the caller's
+    role; streams also get their strict context (message limits, clean endings)."""
+
+    def __init__(self, method: str, access: Access, denials: _Denials, limit: StreamLimit | None) -> None:
+        self.method, self.access, self.denials, self.limit = method, access, denials, limit
+
+    async def request(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        if _bad(request):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, MALFORMED)
+        await self.caller(context, request)
+
+    async def caller(self, context: grpc.aio.ServicerContext, request: Any = None) -> None:
+        reason = _decide(context, self.access, request)
+        if reason is not None:
+            await _deny(context, self.method, reason, self.denials)
+
+    def strict(self, context: grpc.aio.ServicerContext) -> _StrictContext:
+        guard = _StreamGuard(self.limit, self.method, self.denials) if self.limit is not None else None
+        return _StrictContext(context, guard)
+
+
 def _wrap(
     handler: grpc.RpcMethodHandler, method: str, access: Access, denials: _Denials, limit: StreamLimit | None = None
 ) -> grpc.RpcMethodHandler:
+    gate = _Gate(method, access, denials, limit)
     des, ser = _guarded(handler.request_deserializer), handler.response_serializer
-
     if handler.unary_unary is not None:
-        inner_uu = handler.unary_unary
-
-        async def uu(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            if _bad(request):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, MALFORMED)
-            reason = _decide(context, access, request)
-            if reason is not None:
-                await _deny(context, method, reason, denials)
-            return await inner_uu(request, context)
-
-        return grpc.unary_unary_rpc_method_handler(uu, request_deserializer=des, response_serializer=ser)
-
+        return grpc.unary_unary_rpc_method_handler(_unary_unary(handler.unary_unary, gate),
+                                                   request_deserializer=des, response_serializer=ser)
     if handler.unary_stream is not None:
-        inner_us = handler.unary_stream
-        if inspect.isasyncgenfunction(inner_us):
-
-            async def us_gen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                if _bad(request):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, MALFORMED)
-                reason = _decide(context, access, request)
-                if reason is not None:
-                    await _deny(context, method, reason, denials)
-                async for item in inner_us(request, context):
-                    yield item
-
-            return grpc.unary_stream_rpc_method_handler(us_gen, request_deserializer=des, response_serializer=ser)
-
-        async def us(request: Any, context: grpc.aio.ServicerContext) -> None:
-            if _bad(request):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, MALFORMED)
-            reason = _decide(context, access, request)
-            if reason is not None:
-                await _deny(context, method, reason, denials)
-            await inner_us(request, context)
-
-        return grpc.unary_stream_rpc_method_handler(us, request_deserializer=des, response_serializer=ser)
-
+        return grpc.unary_stream_rpc_method_handler(_unary_stream(handler.unary_stream, gate),
+                                                    request_deserializer=des, response_serializer=ser)
     if handler.stream_unary is not None:
-        inner_su = handler.stream_unary
+        return grpc.stream_unary_rpc_method_handler(_stream_unary(handler.stream_unary, gate),
+                                                    request_deserializer=des, response_serializer=ser)
+    return grpc.stream_stream_rpc_method_handler(_stream_stream(handler.stream_stream, gate),
+                                                 request_deserializer=des, response_serializer=ser)
 
-        async def su(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-            reason = _decide(context, access, None)
-            if reason is not None:
-                await _deny(context, method, reason, denials)
-            strict = _StrictContext(context, _StreamGuard(limit, method, denials) if limit is not None else None)
-            return await _run_stream_handler(inner_su(_strict_iter(request_iterator, strict), strict), strict)
 
-        return grpc.stream_unary_rpc_method_handler(su, request_deserializer=des, response_serializer=ser)
+def _unary_unary(inner: Any, gate: _Gate) -> Any:
+    async def uu(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await gate.request(request, context)
+        return await inner(request, context)
 
-    inner_ss = handler.stream_stream
-    if inspect.isasyncgenfunction(inner_ss):
+    return uu
+
+
+def _unary_stream(inner: Any, gate: _Gate) -> Any:
+    if inspect.isasyncgenfunction(inner):
+
+        async def us_gen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await gate.request(request, context)
+            async for item in inner(request, context):
+                yield item
+
+        return us_gen
+
+    async def us(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await gate.request(request, context)
+        await inner(request, context)
+
+    return us
+
+
+def _stream_unary(inner: Any, gate: _Gate) -> Any:
+    async def su(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        await gate.caller(context)
+        strict = gate.strict(context)
+        return await _run_stream_handler(inner(_strict_iter(request_iterator, strict), strict), strict)
+
+    return su
+
+
+def _stream_stream(inner: Any, gate: _Gate) -> Any:
+    if inspect.isasyncgenfunction(inner):
 
         async def ss_gen(request_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            reason = _decide(context, access, None)
-            if reason is not None:
-                await _deny(context, method, reason, denials)
-            strict = _StrictContext(context, _StreamGuard(limit, method, denials) if limit is not None else None)
+            await gate.caller(context)
+            strict = gate.strict(context)
             try:
-                async for item in inner_ss(_strict_iter(request_iterator, strict), strict):
+                async for item in inner(_strict_iter(request_iterator, strict), strict):
                     yield item
             except _EndStream:
                 pass
@@ -477,16 +494,14 @@ def _wrap(
                     raise
             await strict.finish()
 
-        return grpc.stream_stream_rpc_method_handler(ss_gen, request_deserializer=des, response_serializer=ser)
+        return ss_gen
 
     async def ss(request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-        reason = _decide(context, access, None)
-        if reason is not None:
-            await _deny(context, method, reason, denials)
-        strict = _StrictContext(context, _StreamGuard(limit, method, denials) if limit is not None else None)
-        await _run_stream_handler(inner_ss(_strict_iter(request_iterator, strict), strict), strict)
+        await gate.caller(context)
+        strict = gate.strict(context)
+        await _run_stream_handler(inner(_strict_iter(request_iterator, strict), strict), strict)
 
-    return grpc.stream_stream_rpc_method_handler(ss, request_deserializer=des, response_serializer=ser)
+    return ss
 
 
 async def require_role(context: grpc.aio.ServicerContext, *roles: Role) -> Identity | None:
