@@ -66,6 +66,58 @@ async def test_validation_codes(coord: tuple[CoordinatorDaemon, CoordinatorClien
     await c.call("UnassignDomain", pb.UnassignDomainRequest(topology_key="k", topology_value="v"))
 
 
+async def test_values_that_would_poison_the_replicated_state_are_refused(
+        coord: tuple[CoordinatorDaemon, CoordinatorClient]) -> None:
+    """Ids, addresses and numbers are checked before anything is written: a shard id no shard can
+    have would get clusters placed on it, a cluster id the shard refuses binds an operator that can
+    never roll up, a NaN load factor crashed the planner (UNKNOWN)."""
+    _, c = coord
+    inv = grpc.StatusCode.INVALID_ARGUMENT
+    for sid, addr in (("bad shard\n", "s:1"), ("x" * 300, "s:1"), ("s1", "not an address at all"), ("s1", "h:99999"),
+                      ("s1", "h:0"), ("s1", ":80")):
+        assert await code_of(c, "ReportShard", pb.ShardReport(shard_id=sid, shard_address=addr)) == inv, (sid, addr)
+    bad_reports = [
+        pb.ShardReport(shard_id="s1", summary=pb.ShardSummary(total_machines=-1)),
+        pb.ShardReport(shard_id="s1", summary=pb.ShardSummary(per_zone_counts={"z": -3})),
+        pb.ShardReport(shard_id="s1", summary=pb.ShardSummary(provider_address="nowhere")),
+        pb.ShardReport(shard_id="s1", shortfalls=[pb.Shortfall(deficit=provider_pb2.Resources(resources={"cpu": "abc"}))]),
+        pb.ShardReport(shard_id="s1", shortfalls=[pb.Shortfall(interruption_penalty_bucket=99)]),  # type: ignore[arg-type]
+        pb.ShardReport(shard_id="s1", shortfalls=[pb.Shortfall(age_cycles=-1)]),
+    ]
+    for r in bad_reports:
+        assert await code_of(c, "ReportShard", r) == inv, r
+    for cid in ("bad cluster\t", "x\x00\x01", "c" * 100_000):
+        assert await code_of(c, "LookupCluster", pb.LookupClusterRequest(cluster_id=cid)) == inv
+    for lf in (float("nan"), float("inf"), 1e308 * 10):
+        assert await code_of(c, "PlanRebalance", pb.PlanRebalanceRequest(load_factor=lf)) == inv
+        assert await code_of(c, "ApplyRebalance", pb.ApplyRebalanceRequest(load_factor=lf)) == inv
+    assert await code_of(c, "AssignDomain", pb.AssignDomainRequest(
+        topology_key="bad key", topology_value="v", shard_id="s1")) == inv
+    assert await code_of(c, "AssignDomain", pb.AssignDomainRequest(
+        topology_key="k", topology_value="v" * 64, shard_id="s1")) == inv
+    for addr in ("abc", "127.0.0.1:notaport", "127.0.0.1:99999", "127.0.0.1:0"):
+        assert await code_of(c, "JoinRaftCluster", pb.JoinRaftClusterRequest(node_id="n2", raft_address=addr)) == inv
+    assert (await c.call("ListShards", pb.ListShardsRequest())).shards == []
+    # a well-formed report and a plain load factor still pass
+    await c.call("ReportShard", pb.ShardReport(shard_id="s1", shard_address="[::1]:7780",
+                                               summary=pb.ShardSummary(provider_address="dns:///prov:7443")))
+    await c.call("PlanRebalance", pb.PlanRebalanceRequest(load_factor=1.5))
+
+
+async def test_joining_an_address_nobody_listens_on_changes_nothing(
+        coord: tuple[CoordinatorDaemon, CoordinatorClient]) -> None:
+    """Adding a member that never answers would cost a group of one its quorum for good (it
+    survived restarts); the join is refused before the membership changes."""
+    d, c = coord
+    dead = f"127.0.0.1:{free_port()}"
+    assert await code_of(c, "JoinRaftCluster", pb.JoinRaftClusterRequest(
+        node_id="n2", raft_address=dead)) == grpc.StatusCode.FAILED_PRECONDITION
+    assert dead not in d.r().members()
+    # still the leader: a write goes through at once
+    await c.call("ReportShard", pb.ShardReport(shard_id="s1", shard_address="127.0.0.1:7780"))
+    assert [s.shard_id for s in (await c.call("ListShards", pb.ListShardsRequest())).shards] == ["s1"]
+
+
 async def test_reports_soft_state_and_instruction_cycle(coord: tuple[CoordinatorDaemon, CoordinatorClient]) -> None:
     d, c = coord
     summary = pb.ShardSummary(total_machines=10, free_machines=3, provider_address="prov:1", per_zone_counts={"z1": 10})

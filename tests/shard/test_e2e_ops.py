@@ -66,9 +66,15 @@ async def test_paused_shard_acts_on_nothing_until_resumed() -> None:
             assert len(op.of("available_capacity")) == 1  # unchanged → not re-sent
 
             async with insecure_channel(shard.addr) as ch:
-                st = await shardread_pb2_grpc.ShardAdminStub(ch).SetActuation(
-                    shardread_pb2.SetActuationRequest(paused=False, reason="test"), timeout=5)
+                admin = shardread_pb2_grpc.ShardAdminStub(ch)
+                with pytest.raises(grpc.aio.AioRpcError) as ei:  # the reason is for the log: bounded
+                    await admin.SetActuation(shardread_pb2.SetActuationRequest(paused=False, reason="r" * 5000), timeout=5)
+                assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert (await admin.GetActuation(shardread_pb2.GetActuationRequest(), timeout=5)).paused
+                st = await admin.SetActuation(
+                    shardread_pb2.SetActuationRequest(paused=False, reason="resume-for-e2e-test"), timeout=5)
                 assert not st.paused
+            await until(lambda: "resume-for-e2e-test" in shard.logs(), 10, "the reason in the shard's log")
             await until(lambda: _configured(shard, "c1", 1), 30, "configured after resume")
             assert len(spy.of("Configure")) == 1
             text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read().decode()

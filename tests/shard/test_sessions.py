@@ -10,9 +10,12 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 
 from bigfleet.needs import NeedsTable, ValidationError
 from bigfleet.rpc import insecure_channel, new_server
+from bigfleet.security import SHARD_POLICY, RoleInterceptor
+from bigfleet.security.limits import SESSION_STREAM_LIMIT
 from bigfleet.shard.sessions import (
     BootstrapUnavailable,
     RollupOutcome,
@@ -42,8 +45,9 @@ class Harness:
     server: grpc.aio.Server
 
 
-@pytest.fixture
-async def harness() -> AsyncIterator[Harness]:
+@pytest.fixture(params=[False])
+async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
+    """The session server alone; with the param True, behind the shard's role gate and stream limits."""
     table = NeedsTable()
     registry = SessionRegistry()
 
@@ -56,7 +60,9 @@ async def harness() -> AsyncIterator[Harness]:
         return RollupOutcome(True)
 
     servicer = SessionServicer(registry, on_rollup, lambda: (7, 3), lambda s: None)
-    server, _ = new_server()
+    limits = {"/bigfleet.v1alpha1.Shard/Session": SESSION_STREAM_LIMIT}
+    gate = RoleInterceptor(SHARD_POLICY, registry=CollectorRegistry(), component="shard", stream_limits=limits)
+    server, _ = new_server(interceptors=[gate] if request.param else [])
     shard_pb2_grpc.add_ShardServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -87,6 +93,37 @@ async def test_first_frame_must_be_hello_with_cluster(harness: Harness) -> None:
     assert len(harness.registry) == 0
 
 
+async def test_a_hello_that_could_never_serve_is_refused_at_hello(harness: Harness) -> None:
+    """A cluster id every roll-up would be rejected for, or another wire contract, ends the stream at
+    once instead of installing a session that can never change demand."""
+    for cid in ("bad cluster", "bad\x01c", "x" * 254):
+        err = await _raw_session(harness.target, shard_pb2.OperatorMessage(hello=shard_pb2.Hello(cluster_id=cid)))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "hello.cluster_id" in (err.details() or ""), cid
+    err = await _raw_session(harness.target, shard_pb2.OperatorMessage(
+        hello=shard_pb2.Hello(cluster_id="c1", protocol_version="v9")))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "v1alpha1" in (err.details() or "")
+    assert len(harness.registry) == 0
+
+
+@pytest.mark.parametrize("harness", [True], indirect=True)
+async def test_stream_guard_statuses_reach_the_operator(harness: Harness) -> None:
+    """Behind the production gate: an over-long Hello id is RESOURCE_EXHAUSTED naming the field (as
+    docs/security.md says), and a session the guard ends records the guard's reason, not "operator
+    ended the stream"."""
+    err = await _raw_session(harness.target, shard_pb2.OperatorMessage(hello=shard_pb2.Hello(cluster_id="c" * 100_000)))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "hello.cluster_id" in (err.details() or "")
+    async with FakeOperator(harness.target, "c1", blob=b"x" * (1024 * 1024 + 1)) as op:
+        await until(lambda: harness.registry.get("c1") is not None)
+        s = harness.registry.get("c1")
+        assert s is not None
+        with pytest.raises(BootstrapUnavailable):
+            await s.request_bootstrap([], timeout=5)
+        await until(lambda: s.closed.is_set(), what="session closed by the guard")
+        assert s.close_code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "user_data" in s.close_reason
+        del op
+
+
 async def test_hello_ack_rollup_ack_and_validation_all_or_nothing(harness: Harness) -> None:
     async with FakeOperator(harness.target, "c1") as op:
         await until(lambda: op.acks("hello"), what="hello ack")
@@ -107,9 +144,12 @@ async def test_hello_ack_rollup_ack_and_validation_all_or_nothing(harness: Harne
         await op.send_rollup([need("1")], cluster_id="someone-else")
         await until(lambda: len(op.acks("rollup-rejected:")) == 2, what="foreign roll-up rejected")
         assert harness.table.cluster("someone-else") == ()
-        # a mid-stream Hello is answered, not fatal
+        # a mid-stream Hello is answered, not fatal; one naming another cluster does not move the session
         await op.send(shard_pb2.OperatorMessage(hello=shard_pb2.Hello(cluster_id="c1")))
         await until(lambda: len(op.acks("hello")) == 2, what="second hello ack")
+        await op.send(shard_pb2.OperatorMessage(hello=shard_pb2.Hello(cluster_id="c2")))
+        await until(lambda: op.acks("hello-rejected:"), what="mid-stream hello for another cluster answered")
+        assert "'c1'" in op.acks("hello-rejected:")[0].echo and harness.registry.get("c2") is None
 
 
 async def test_newer_session_replaces_older(harness: Harness) -> None:

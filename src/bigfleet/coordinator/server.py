@@ -14,10 +14,11 @@ through Raft.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -25,6 +26,7 @@ from typing import Any, NoReturn
 import grpc
 from prometheus_client import Counter, Gauge
 
+from bigfleet.coordinator import requests as req
 from bigfleet.coordinator import snapshot as snap
 from bigfleet.coordinator.forward import NOT_LEADER_MESSAGE, SERVICE_NAME, LeaderForwarder
 from bigfleet.coordinator.raft import RaftConfig, RaftError, RaftNode
@@ -533,11 +535,17 @@ class CoordinatorService(pbg.CoordinatorServicer):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg)
         raise AssertionError("unreachable")
 
+    async def _valid(self, context: grpc.aio.ServicerContext, check: Callable[..., object], *fields: object) -> None:
+        """Run one of `requests`' checks; a `BadRequest` answers INVALID_ARGUMENT with its text."""
+        try:
+            check(*fields)
+        except req.BadRequest as exc:
+            await self._invalid(context, str(exc))
+
     # --------------------------------------------------------- heartbeat
     async def ReportShard(self, request: pb.ShardReport, context: grpc.aio.ServicerContext) -> pb.ReportAck:
         sid = request.shard_id
-        if not sid:
-            await self._invalid(context, "shard_id is required")
+        await self._valid(context, req.check_report, request)
         await self._leader(context)
         d = self.d
         now = _now()
@@ -581,6 +589,7 @@ class CoordinatorService(pbg.CoordinatorServicer):
     async def AssignDomain(self, request: pb.AssignDomainRequest, context: grpc.aio.ServicerContext) -> pb.AssignDomainResponse:
         if not (request.topology_key and request.topology_value and request.shard_id):
             await self._invalid(context, "topology_key, topology_value and shard_id are required")
+        await self._valid(context, req.check_domain, request.topology_key, request.topology_value)
         await self._leader(context)
         cmd = {"op": "assign_domain", "key": request.topology_key, "value": request.topology_value, "shard_id": request.shard_id, "now": _now()}
         await self.d.write(cmd, context)
@@ -648,8 +657,7 @@ class CoordinatorService(pbg.CoordinatorServicer):
         self, request: pb.LookupClusterRequest, context: grpc.aio.ServicerContext
     ) -> pb.LookupClusterResponse:
         cid = request.cluster_id
-        if not cid:
-            await self._invalid(context, "cluster_id is required")
+        await self._valid(context, req.check_id, cid, "cluster_id")
         await self._leader(context)
         d = self.d
         found = await self._existing(cid, context)
@@ -757,8 +765,9 @@ class CoordinatorService(pbg.CoordinatorServicer):
     async def PlanRebalance(
         self, request: pb.PlanRebalanceRequest, context: grpc.aio.ServicerContext
     ) -> pb.PlanRebalanceResponse:
-        if (request.load_factor and request.load_factor < 1.0) or request.max_moves < 0:
-            await self._invalid(context, "load_factor must be >= 1 and max_moves >= 0")
+        await self._valid(context, req.check_load_factor, request.load_factor)
+        if request.max_moves < 0:
+            await self._invalid(context, "max_moves must be >= 0")
         await self._leader(context)
         plan = await self._plan(request.load_factor, request.max_moves)
         return pb.PlanRebalanceResponse(
@@ -774,8 +783,9 @@ class CoordinatorService(pbg.CoordinatorServicer):
     async def ApplyRebalance(
         self, request: pb.ApplyRebalanceRequest, context: grpc.aio.ServicerContext
     ) -> pb.ApplyRebalanceResponse:
-        if (request.load_factor and request.load_factor < 1.0) or request.max_moves < 0:
-            await self._invalid(context, "load_factor must be >= 1 and max_moves >= 0")
+        await self._valid(context, req.check_load_factor, request.load_factor)
+        if request.max_moves < 0:
+            await self._invalid(context, "max_moves must be >= 0")
         await self._leader(context)
         plan = await self._plan(request.load_factor, request.max_moves)
         if request.expected_plan_id and request.expected_plan_id != plan.plan_id:
@@ -811,10 +821,19 @@ class CoordinatorService(pbg.CoordinatorServicer):
     ) -> pb.JoinRaftClusterResponse:
         if not request.node_id or not request.raft_address:
             await self._invalid(context, "node_id and raft_address are required")
+        await self._valid(context, req.check_id, request.node_id, "node_id")
+        await self._valid(context, req.check_address, request.raft_address, "raft_address")
         await self._leader(context)
         raft = self.d.r()
         if request.raft_address in raft.members():
             return pb.JoinRaftClusterResponse()
+        # A member that never answers still counts towards the quorum once added (a group of one
+        # would stop committing for good): only a replica already listening is added.
+        unreachable = await _unreachable(request.raft_address)
+        if unreachable:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"raft_address {request.raft_address} is not reachable ({unreachable}); start the "
+                                "replica first, nothing was changed")
         try:
             await raft.add_node(request.raft_address)
         except RaftError as exc:
@@ -836,3 +855,16 @@ class CoordinatorService(pbg.CoordinatorServicer):
         data = json.dumps(state, sort_keys=True).encode()
         for off in range(0, len(data), snap.CHUNK):
             yield pb.SnapshotSaveChunk(data=data[off : off + snap.CHUNK])
+
+
+async def _unreachable(address: str, timeout: float = 3.0) -> str:
+    """Why a TCP connection to `address` (HOST:PORT) failed, or "" once one opened."""
+    host, port = req.check_address(address, "raft_address")
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except (TimeoutError, OSError) as exc:
+        return str(exc) or type(exc).__name__
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return ""

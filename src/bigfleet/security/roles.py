@@ -289,7 +289,7 @@ def _bad(msg: Any) -> bool:
     return msg is None or msg is _BAD_FRAME
 
 
-class _EndStream(Exception):
+class StreamEnded(Exception):
     """Raised out of a read to stop the handler; the wrapper then ends the call with ``status``.
 
     The status is sent from the handler's own task after it returns, never from the task that
@@ -311,18 +311,18 @@ class _StreamGuard:
         self.method = method
         self.counters = counters
 
-    async def admit(self, msg: Any, peer: str) -> _EndStream | None:
+    async def admit(self, msg: Any, peer: str) -> StreamEnded | None:
         loop = asyncio.get_running_loop()
         try:
             self.limit.check(msg)
         except LimitExceeded as exc:
             self.counters.throttle(self.method, "oversize")
             log.warning("stream_closed_frame_over_limit", method=self.method, peer=peer, error=str(exc))
-            return _EndStream(grpc.StatusCode.RESOURCE_EXHAUSTED, f"frame over a size limit: {exc}")
+            return StreamEnded(grpc.StatusCode.RESOURCE_EXHAUSTED, f"frame over a size limit: {exc}")
         if self.throttle.on_frame(loop.time()) is Verdict.CLOSE:
             self.counters.throttle(self.method, "close")
             log.warning("stream_closed_over_frame_rate", method=self.method, peer=peer)
-            return _EndStream(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            return StreamEnded(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               "frame rate over the per-session limit; reconnect and slow down")
         if not self.limit.soft(msg) or self.throttle.on_rollup(loop.time()) is Verdict.ACCEPT:
             return None
@@ -338,13 +338,13 @@ class _StrictContext:
     A frame gRPC could not deserialize (grpc.aio raises DecodeError out of ``read()``, or hands
     the handler ``None``, which handlers mistake for end-of-stream or crash on) ends the call
     with INVALID_ARGUMENT; the stream limits end it with RESOURCE_EXHAUSTED. Either way the read
-    raises :class:`_EndStream` and :meth:`finish` sends the status once the handler is done.
+    raises :class:`StreamEnded` and :meth:`finish` sends the status once the handler is done.
     """
 
     def __init__(self, inner: grpc.aio.ServicerContext, guard: _StreamGuard | None = None) -> None:
         self._inner = inner
         self._guard = guard
-        self.ending: _EndStream | None = None
+        self.ending: StreamEnded | None = None
         self.write = inner.write  # (every outbound frame: bound once, not looked up through __getattr__)
 
     def __getattr__(self, name: str) -> Any:
@@ -354,7 +354,7 @@ class _StrictContext:
         if self.ending is not None:
             raise self.ending
         if _bad(msg):
-            self.ending = _EndStream(grpc.StatusCode.INVALID_ARGUMENT, MALFORMED)
+            self.ending = StreamEnded(grpc.StatusCode.INVALID_ARGUMENT, MALFORMED)
             raise self.ending
         if self._guard is not None and msg is not grpc.aio.EOF:
             end = await self._guard.admit(msg, self._inner.peer())
@@ -390,7 +390,7 @@ async def _run_stream_handler(call: Awaitable[Any], strict: _StrictContext) -> A
     """Await the handler; if a frame was refused, end the call with that status afterwards."""
     try:
         result = await call
-    except _EndStream:
+    except StreamEnded:
         result = None
     except grpc.aio.AbortError:
         raise  # the handler chose its own status
@@ -485,7 +485,7 @@ def _stream_stream(inner: Any, gate: _Gate) -> Any:
             try:
                 async for item in inner(_strict_iter(request_iterator, strict), strict):
                     yield item
-            except _EndStream:
+            except StreamEnded:
                 pass
             except grpc.aio.AbortError:
                 raise

@@ -460,14 +460,14 @@ class ShardDaemon:
             shortfalls=shortfalls_to_proto(rec.decision.shortfalls if rec.decision else ())[:100],
         )
 
-    async def set_actuation(self, paused: bool, dry_run: bool) -> None:
+    async def set_actuation(self, paused: bool, dry_run: bool, reason: str = "", by: str = "") -> None:
         """Commit the switch to the replicated state first (it survives restart and failover), then
-        obey it."""
+        obey it; the log line says who asked and why."""
         if self._stopping.is_set() or not await self.log.set_actuation(paused, dry_run, self.config.epoch):
             raise RaftError("actuation not replicated: this replica no longer leads")
         self.paused, self.dry_run = paused, dry_run
         self.metrics.paused.set(1 if self.paused else 0)
-        log.warning("actuation changed", paused=self.paused, dry_run=self.dry_run)
+        log.warning("actuation changed", paused=self.paused, dry_run=self.dry_run, reason=reason, by=by)
         self.trigger()
 
 

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from bigfleet.shard.daemon import ShardDaemon
 
 S = provider_pb2.MachineState
+#: SetActuationRequest.reason is free text for the log; a bound keeps one call from flooding it
+MAX_ACTUATION_REASON = 4096
 
 
 class ShardReadServicer(shardread_pb2_grpc.ShardReadServicer):
@@ -297,8 +299,11 @@ class ShardAdminServicer(shardread_pb2_grpc.ShardAdminServicer):
     async def SetActuation(
         self, request: shardread_pb2.SetActuationRequest, context: grpc.aio.ServicerContext
     ) -> shardread_pb2.ActuationStatus:
+        if len(request.reason) > MAX_ACTUATION_REASON:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"reason: {len(request.reason)} characters, limit {MAX_ACTUATION_REASON}")
         try:
-            await self.d.set_actuation(request.paused, request.dry_run)
+            await self.d.set_actuation(request.paused, request.dry_run, request.reason, context.peer())
         except RaftError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"actuation not changed: {exc}")
         return self._status()

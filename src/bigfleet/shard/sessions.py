@@ -20,12 +20,14 @@ from dataclasses import dataclass
 
 import grpc
 
+from bigfleet.needs.errors import ValidationError
 from bigfleet.observability import get_logger
 from bigfleet.security.limits import LimitExceeded, check_bootstrap_response
-from bigfleet.security.roles import session_denial
+from bigfleet.security.roles import StreamEnded, session_denial
 from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.shard.outbox import Outbox, OutboxOverflow
 from bigfleet.v1alpha1 import capacity_pb2, shard_pb2, shard_pb2_grpc
+from bigfleet.wire.needs import validate_cluster_id
 
 # Trailer on an UNAVAILABLE that means "this shard will serve you shortly; retry" (same key the coordinator uses).
 RETRY_LATER_KEY = "bigfleet-retry-later"
@@ -33,6 +35,17 @@ RETRY_LATER_KEY = "bigfleet-retry-later"
 log = get_logger("bigfleet.shard.sessions")
 
 PROTOCOL_VERSION = "v1alpha1"
+#: Hello versions a session is opened for; an empty one (a client that leaves the field unset) is
+#: taken as this one. Anything else is another wire contract and is refused at Hello.
+SUPPORTED_PROTOCOLS = frozenset({"", PROTOCOL_VERSION})
+
+
+def _stream_ended(reader: asyncio.Task[None]) -> StreamEnded | None:
+    """Why a finished reader stopped, when the stream guard stopped it (not the operator)."""
+    if not reader.done() or reader.cancelled():
+        return None
+    exc = reader.exception()
+    return exc if isinstance(exc, StreamEnded) else None
 
 
 @dataclass(frozen=True)
@@ -343,6 +356,8 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "shard shutting down; reconnect")
         try:
             first = await context.read()
+        except StreamEnded:
+            raise  # the stream guard's own status (e.g. RESOURCE_EXHAUSTED for an over-long Hello)
         except Exception as exc:  # a broken first read is the operator's fault, not ours
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"receive failed: {exc}")
         if (
@@ -353,6 +368,14 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
         ):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first frame must be Hello with cluster_id")
         cluster_id = first.hello.cluster_id
+        if first.hello.protocol_version not in SUPPORTED_PROTOCOLS:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"unsupported protocol_version {first.hello.protocol_version[:64]!r}; "
+                                f"this shard speaks {PROTOCOL_VERSION!r}")
+        try:  # (the id every roll-up of this session must carry: one that could never be accepted is refused now)
+            validate_cluster_id(cluster_id, "hello.cluster_id")
+        except ValidationError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         denial = session_denial(context, cluster_id)  # None on plaintext (checks skipped)
         if denial:
             if self.registry.metrics:
@@ -388,7 +411,10 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
             ended_by_peer = reader.done() and not session.closed.is_set()
             for t in (reader, worker, closed_wait):
                 t.cancel()
-            if ended_by_peer:
+            ended = _stream_ended(reader)
+            if ended_by_peer and ended is not None:  # the stream guard ended it (e.g. an oversize frame)
+                session.close(ended.code, ended.details)
+            elif ended_by_peer:
                 session.close(grpc.StatusCode.OK, "operator ended the stream")
             elif not session.closed.is_set():
                 # (e.g. a failed write): whoever waits on this session's frames learns it is gone
@@ -422,7 +448,13 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
                 if self.on_registration_timeout is not None:
                     self.on_registration_timeout(session.cluster_id, msg.registration_timeout)
             elif kind == "hello":
-                session.send(self._ack("hello"))
+                # (legal mid-stream, but it cannot move the session to another cluster: say so
+                # instead of acking a switch that did not happen)
+                echo = "hello"
+                if msg.hello.cluster_id and msg.hello.cluster_id != session.cluster_id:
+                    echo = (f"hello-rejected: this session is for cluster {session.cluster_id[:128]!r}; "
+                            "open a new session for another cluster")
+                session.send(self._ack(echo))
 
     async def _rollup_worker(self, session: OperatorSession) -> None:
         while True:

@@ -343,6 +343,8 @@ class ProviderCore:
         if max_results < 0:
             raise KitError(grpc.StatusCode.INVALID_ARGUMENT, "max_results must be >= 0")
         since = parse_revision(since_revision)
+        if since is not None and since > self.rev:
+            since = None  # a cursor this provider never issued (e.g. from before a restart that lost state): unknown
         if since is not None and self._indexed_rev == self.rev:
             records = []
             machines = self.machines
