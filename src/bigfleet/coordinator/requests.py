@@ -36,7 +36,7 @@ def check_id(value: str, field: str) -> None:
 
 
 def check_address(value: str, field: str) -> tuple[str, int]:
-    """HOST:PORT with a port in 1..65535 (a bracketed IPv6 host or a gRPC scheme prefix is fine)."""
+    """[HOST]:PORT with a port in 1..65535 (a bracketed IPv6 host or a gRPC scheme prefix is fine)."""
     if not value:
         raise BadRequest(f"{field}: must not be empty")
     if len(value) > MAX_ADDRESS_LEN:
@@ -44,7 +44,9 @@ def check_address(value: str, field: str) -> tuple[str, int]:
     if not value.isprintable() or any(c.isspace() for c in value):
         raise BadRequest(f"{field}: contains whitespace or control characters")
     host, sep, port = value.rpartition(":")
-    if not sep or not host.strip("[]/") or not port.isdigit() or not 0 < int(port) <= 65535:
+    # (an empty host, ":7443", is what `--listen :7443` advertises; it names no other machine, but a
+    # shard that runs so has always been accepted, and refusing its heartbeats would take it out)
+    if not sep or not port.isdigit() or not 0 < int(port) <= 65535:
         raise BadRequest(f"{field}: expected HOST:PORT with a port in 1..65535, got {value[:64]!r}")
     return host.strip("[]"), int(port)
 
