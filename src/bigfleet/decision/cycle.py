@@ -36,6 +36,7 @@ from .verdicts import need_verdicts
 
 _MACHINE_ID = attrgetter("id")
 _ORDER = attrgetter("order")
+_VERDICT_ORDER = attrgetter("fingerprint", "folded_into")
 #: what `decide` accepts as the fleet: an `Inventory`, or any iterable of machine records
 Fleet = Inventory | Iterable[Machine]
 #: a cached cluster is valid for ((dimensions, classes version), its bound-set version, the free-pool
@@ -414,7 +415,7 @@ class Engine:
                 vs.extend(need_verdicts(cy, n, any(n.p1_remaining)))
                 if n.same is not None and n.same_domain:
                     doms[n.park_key] = n.same_domain
-            vs.sort(key=lambda v: (v.fingerprint, v.folded_into))
+            vs.sort(key=_VERDICT_ORDER)
             verdicts.extend(vs)
             domains.update(doms)
             if c in stable or c in watches:
