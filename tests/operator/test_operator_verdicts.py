@@ -221,3 +221,29 @@ async def test_a_node_that_registers_but_never_turns_ready_is_reported(
         assert r.machine_id == "m-3" and r.node_name == "node-3" and r.waited_seconds >= 1
         await eventually(lambda: events(kube, "ReadyTimeout", "un-m-3"), what="ReadyTimeout Event")
         assert "was not Ready within 1s" in events(kube, "ReadyTimeout", "un-m-3")[0]["message"]
+
+
+async def test_a_request_joining_an_answered_need_gets_its_status_without_a_new_frame(
+        kube: KubeTestServer, api: Any, shard: FakeShard) -> None:
+    """The shard sends a cluster's verdicts again only when they change. A CapacityRequest that joins
+    a need the last frame answered (and whose extra demand did not change the decision) must still get
+    that status, not wait for the next change (`kubectl wait --for=condition=Satisfied` would hang)."""
+    s = kube.store
+    s.put(cr("a", {"cpu": "1"}, priority=100))
+    async with running(make_op(api, shard)) as op:
+        await eventually(lambda: ("default", "a") in op.cr_fingerprints and "c1" in shard.conns, what="a roll-up")
+        fp = op.cr_fingerprints[("default", "a")]
+        shard.send("c1", shard_pb2.ShardMessage(need_verdicts=shard_pb2.NeedVerdicts(
+            supersedes_key="verdicts:c1", cluster_id="c1", cycle=3, computed_at_unix_nanos=1_700_000_000 * 10**9,
+            verdicts=[shard_pb2.NeedVerdict(fingerprint=fp, satisfied=True, machines_bound=1)])))
+        await eventually(lambda: cond(s.find("capacityrequests", "a", "default"), "Satisfied"), what="a's status")
+        frames = op.verdict_frames
+        rollups = len(shard.rollups)
+        s.put(cr("late", {"cpu": "1"}, priority=100))  # the same profile: folded into a's need
+        await eventually(lambda: len(shard.rollups) > rollups and op.cr_fingerprints.get(("default", "late")) == fp,
+                         what="the roll-up with the new request")
+        await eventually(lambda: cond(s.find("capacityrequests", "late", "default"), "Satisfied").get("status") == "True",
+                         what="the new request's status from the last frame")
+        late = s.find("capacityrequests", "late", "default")
+        assert late is not None and late["status"]["machines"]["bound"] == 1
+        assert op.verdict_frames == frames + 1  # the last frame applied once more, no new frame from the shard

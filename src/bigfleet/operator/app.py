@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -254,6 +255,9 @@ class Operator:
         # (namespace, name) -> need fingerprint, from the newest roll-up (what NeedVerdicts are keyed on)
         self.cr_fingerprints: dict[tuple[str, str], str] = {}
         self._verdicts: shard_pb2.NeedVerdicts | None = None
+        #: the newest frame received: a CapacityRequest that joins a need already decided on gets its
+        #: status from it (the shard sends a frame again only when the verdict changes)
+        self._last_frame: shard_pb2.NeedVerdicts | None = None
         self._verdicts_due = asyncio.Event()
         # CR status fields this operator wrote and the watch may not have shown yet
         self._written: dict[tuple[str, str], dict[str, Any]] = {}
@@ -306,10 +310,20 @@ class Operator:
         for s in r.skipped:
             log.warning("CapacityRequest skipped", namespace=s.namespace, name=s.name, reason=s.reason)
         self.last_rollup = r.message
-        self.cr_fingerprints = dict(r.fingerprints)
+        self._map_crs(r.fingerprints)
         self._last_fp = demand_fingerprint(r.message)
         self._start_acks(r.to_acknowledge)
         return r.message
+
+    def _map_crs(self, fingerprints: Mapping[tuple[str, str], str]) -> None:
+        """Which need each CapacityRequest is folded into. A CR new to a need the last frame already
+        answered gets that answer now: its verdict only changes (and a frame follows) if the demand
+        it added changed the decision."""
+        new = fingerprints.keys() - self.cr_fingerprints.keys()
+        self.cr_fingerprints = dict(fingerprints)
+        if new and self._last_frame is not None and self._verdicts is None:
+            self._verdicts = self._last_frame
+            self._verdicts_due.set()
 
     def _start_acks(self, keys: tuple[tuple[str, str], ...]) -> None:
         """Acknowledge in the background (one batch at a time) so a burst of new CRs never delays roll-ups."""
@@ -332,14 +346,15 @@ class Operator:
                     await self.rollup_now()
                 except Exception as exc:
                     log.warning("roll-up failed", error=str(exc)[:300])
-            else:
+            else:  # (the same demand from other CRs, e.g. one replaced by an equal one: map the new ones)
+                self._map_crs(r.fingerprints)
                 self._start_acks(r.to_acknowledge)
 
     # -- verdicts → CapacityRequest status and Events ----------------------------------------------
 
     def on_verdicts(self, frame: shard_pb2.NeedVerdicts) -> None:
         """A NeedVerdicts frame arrived: keep the newest, the status writer picks it up."""
-        self._verdicts = frame
+        self._verdicts = self._last_frame = frame
         self._verdicts_due.set()
 
     async def _verdict_loop(self) -> None:
