@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 
 from bigfleet.ctl.shardcmds import Emit, ShardCallFailed, ShardCtl, UsageError
-from bigfleet.ctl.whatif import follow
 from bigfleet.v1alpha1 import shardread_pb2 as spb
 from bigfleet.v1alpha1 import shardread_pb2_grpc as sgrpc
 
@@ -32,7 +31,7 @@ async def run(ctl: ShardCtl, args: argparse.Namespace, emit: Emit) -> int:
     errors: list[str] = []
     for sid, addr in await ctl.targets(args.cluster):
         try:  # (a follower replica's redirect is followed to its leader)
-            got.append((sid, addr, await follow(ctl, sid, addr, lambda ch: sgrpc.ShardReadStub(ch).PlanConsolidation(
+            got.append((sid, addr, await ctl.call(sid, addr, lambda ch: sgrpc.ShardReadStub(ch).PlanConsolidation(
                 req, timeout=ctl.timeout))))
         except ShardCallFailed as exc:
             errors.append(str(exc))

@@ -2,15 +2,16 @@
 ShardRead / ShardAdmin APIs.
 
 Shards are found through the coordinator (``ListShards``; ``ListClusterBindings`` for a cluster's
-shard) unless ``--shard HOST:PORT`` names one directly, which also works with no coordinator.
+shard) unless ``--shard HOST:PORT`` names one directly, which also works with no coordinator. Any
+replica of a shard's group will do: a follower's redirect to its leader is followed.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 
@@ -19,6 +20,9 @@ from bigfleet.v1alpha1 import shardread_pb2 as spb
 from bigfleet.v1alpha1 import shardread_pb2_grpc as sgrpc
 
 Emit = Callable[[argparse.Namespace, Any, list[str], list[list[Any]], str], None]
+T = TypeVar("T")
+#: the trailing-metadata key a follower replica names its leader in
+REDIRECT_KEY = "bigfleet-redirect"
 
 
 class ShardCallFailed(Exception):
@@ -111,21 +115,33 @@ class ShardCtl:
 
         return dial(address, self.tls)
 
-    async def _call(self, shard_id: str, address: str, fn: Callable[[grpc.aio.Channel], Any]) -> Any:
-        async with self._channel(address) as ch:
-            try:
-                return await fn(ch)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise ShardCallFailed(f"shard {shard_id} unreachable at {address}: {exc.code().name}") from None
-                raise ShardCallFailed(f"shard {shard_id} at {address}: {exc.code().name}: {exc.details()}") from None
+    async def call(self, shard_id: str, address: str, fn: Callable[[grpc.aio.Channel], Awaitable[T]]) -> T:
+        """``fn`` on ``address``'s channel. A shard is a Raft group: a follower answers UNAVAILABLE with
+        the leader in ``bigfleet-redirect``, which is followed once. INVALID_ARGUMENT is a usage error
+        (exit 2), the rest a failed call (exit 1)."""
+        for _ in range(2):
+            async with self._channel(address) as ch:
+                try:
+                    return await fn(ch)
+                except grpc.aio.AioRpcError as exc:
+                    hint = dict(exc.trailing_metadata() or ()).get(REDIRECT_KEY, "")
+                    if exc.code() == grpc.StatusCode.UNAVAILABLE and isinstance(hint, str) and hint and hint != address:
+                        address = hint
+                        continue
+                    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        raise UsageError(f"shard {shard_id} refused the request: {exc.details()}") from None
+                    if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        raise ShardCallFailed(
+                            f"shard {shard_id} unreachable at {address}: {exc.details() or exc.code().name}") from None
+                    raise ShardCallFailed(f"shard {shard_id} at {address}: {exc.code().name}: {exc.details()}") from None
+        raise ShardCallFailed(f"shard {shard_id}: redirected more than once")
 
     async def _each(self, targets: list[tuple[str, str]], fn: Callable[[grpc.aio.Channel], Any]) -> tuple[list[tuple[str, str, Any]], list[str]]:
         """Call every target; a shard that fails is reported, the others are still shown."""
         ok, errors = [], []
         for sid, addr in targets:
             try:
-                ok.append((sid, addr, await self._call(sid, addr, fn)))
+                ok.append((sid, addr, await self.call(sid, addr, fn)))
             except ShardCallFailed as exc:
                 errors.append(str(exc))
         if errors and not ok:
@@ -155,7 +171,7 @@ class ShardCtl:
                 spb.InspectNeedsRequest(cluster_id=a.cluster, limit=a.limit), timeout=self.timeout)
             return [f async for f in call]
 
-        frames = await self._call(sid, addr, inspect)
+        frames = await self.call(sid, addr, inspect)
         header = frames[0].header if frames and frames[0].HasField("header") else spb.InspectNeedsHeader()
         views = [f.need for f in frames if f.HasField("need")]
         if a.unmet:
@@ -240,7 +256,7 @@ class ShardCtl:
                 spb.SetActuationRequest(paused=paused, dry_run=cur.dry_run, reason=a.reason), timeout=self.timeout)
             return st
 
-        st = await self._call(sid, addr, flip)
+        st = await self.call(sid, addr, flip)
         data = {"shard_id": sid, "paused": st.paused, "dry_run": st.dry_run, "cycle": st.cycle}
         if a.output == "table":
             word = "paused" if st.paused else "resumed"

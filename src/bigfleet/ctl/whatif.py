@@ -10,22 +10,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
-import grpc
 import yaml
 from google.protobuf import json_format
 
-from bigfleet.ctl.shardcmds import Emit, ShardCallFailed, ShardCtl, UsageError, _kv, _reqs
+from bigfleet.ctl.shardcmds import Emit, ShardCtl, UsageError, _kv, _reqs
 from bigfleet.v1alpha1 import capacity_pb2
 from bigfleet.v1alpha1 import shardread_pb2 as spb
 from bigfleet.v1alpha1 import shardread_pb2_grpc as sgrpc
-
-REDIRECT_KEY = "bigfleet-redirect"
-T = TypeVar("T")
 
 
 def add_args(sp: argparse.ArgumentParser) -> None:
@@ -123,29 +118,9 @@ async def run(ctl: ShardCtl, args: argparse.Namespace, emit: Emit) -> int:
 
 async def ask(ctl: ShardCtl, sid: str, addr: str, req: spb.WhatIfRequest) -> tuple[spb.WhatIfResponse, str]:
     """WhatIf on ``addr``; a follower's redirect is followed once (the shard is a Raft group)."""
-    resp: spb.WhatIfResponse = await follow(ctl, sid, addr,
+    resp: spb.WhatIfResponse = await ctl.call(sid, addr,
                                             lambda ch: sgrpc.ShardReadStub(ch).WhatIf(req, timeout=ctl.timeout))
     return resp, sid
-
-
-async def follow(ctl: ShardCtl, sid: str, addr: str, fn: Callable[[grpc.aio.Channel], Awaitable[T]]) -> T:
-    """``fn`` on ``addr``'s channel; a follower replica's ``bigfleet-redirect`` is followed once.
-    INVALID_ARGUMENT is a usage error (exit 2), the rest a failed call (exit 1)."""
-    for _ in range(2):
-        async with ctl._channel(addr) as ch:
-            try:
-                return await fn(ch)
-            except grpc.aio.AioRpcError as exc:
-                hint = dict(exc.trailing_metadata() or ()).get(REDIRECT_KEY, "")
-                if exc.code() == grpc.StatusCode.UNAVAILABLE and isinstance(hint, str) and hint and hint != addr:
-                    addr = hint
-                    continue
-                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise UsageError(f"the shard refused the request: {exc.details()}") from None
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise ShardCallFailed(f"shard {sid} unavailable at {addr}: {exc.details() or exc.code().name}") from None
-                raise ShardCallFailed(f"shard {sid} at {addr}: {exc.code().name}: {exc.details()}") from None
-    raise ShardCallFailed(f"shard {sid}: redirected more than once")
 
 
 def to_data(sid: str, cand: Candidates, resp: spb.WhatIfResponse) -> dict[str, object]:
