@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 from bigfleet.cli.main import SUBCOMMANDS, main
+from bigfleet.testing import free_port
 
 
 def test_help_lists_every_subcommand(capsys: object) -> None:
@@ -24,3 +28,40 @@ def test_console_script_runs() -> None:
     proc = subprocess.run([sys.executable, "-m", "bigfleet.cli.main", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0
     assert "subcommands" in proc.stdout
+
+
+def _busy_port() -> tuple[socket.socket, str]:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s, f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "bigfleet.cli.main", *args], capture_output=True, text=True,
+                          timeout=60, check=False, env={**os.environ, **(env or {})})
+
+
+def test_a_port_in_use_is_a_clear_start_up_error(tmp_path: Path) -> None:
+    """A busy gRPC port, and a busy Raft port (pysyncobj only logged that one, so the member ran outside
+    any group while looking healthy), stop the daemon with a one-line error and no traceback."""
+    sock, busy = _busy_port()
+    with sock:
+        runs = {
+            "fake-provider --listen": _run(["fake-provider", "--listen", busy]),
+            "coordinator --listen": _run(["coordinator", "--node-id", "n0", "--listen", busy, "--raft-bind",
+                                          f"127.0.0.1:{free_port()}", "--data-dir", str(tmp_path / "c1")],
+                                         {"BIGFLEET_RAFT_PASSWORD": "pw"}),
+            "coordinator --raft-bind": _run(["coordinator", "--node-id", "n0", "--listen", f"127.0.0.1:{free_port()}",
+                                             "--raft-bind", busy, "--data-dir", str(tmp_path / "c2")],
+                                            {"BIGFLEET_RAFT_PASSWORD": "pw"}),
+            "shard --raft-bind": _run(["shard", "--shard-id", "s1", "--listen", f"127.0.0.1:{free_port()}",
+                                       "--provider", f"127.0.0.1:{free_port()}", "--data-dir", str(tmp_path / "s"),
+                                       "--replica-id", "r0", "--raft-bind", busy, "--raft-peers",
+                                       f"127.0.0.1:{free_port()}", "--raft-password", "pw"]),
+        }
+    for what, r in runs.items():
+        out = r.stdout + r.stderr
+        assert r.returncode != 0, (what, out)
+        assert "Traceback" not in out, (what, out)
+        assert busy in out, (what, out)

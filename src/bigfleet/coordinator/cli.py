@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from bigfleet.observability import configure_logging, get_logger
+from bigfleet.raft import RaftSettingsError
 
 
 def _csv(v: str) -> list[str]:
@@ -169,5 +170,9 @@ def main(argv: list[str]) -> int:
             await dashboard.stop()
         await daemon.stop()
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except (OSError, RaftSettingsError) as exc:  # a busy port, an unusable Raft address: no traceback
+        print(f"bigfleet coordinator: {exc}", file=sys.stderr)
+        return 1
     return 0

@@ -10,6 +10,8 @@ answer by retrying an idempotent command).
 from __future__ import annotations
 
 import asyncio
+import errno
+import socket
 from collections.abc import Callable
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -18,7 +20,7 @@ from pysyncobj import FAIL_REASON
 from bigfleet.raft.consumer import LockedConsumer
 from bigfleet.raft.errors import RaftError, fail_reason
 from bigfleet.raft.pipelined import PipelinedSyncObj
-from bigfleet.raft.settings import RaftSettings, sync_obj_conf
+from bigfleet.raft.settings import RaftSettings, RaftSettingsError, sync_obj_conf
 
 S = TypeVar("S")
 T = TypeVar("T")
@@ -34,6 +36,7 @@ class RaftBridge(Generic[S]):
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         self._repl = consumer
         conf = sync_obj_conf(cfg, self.journal_file, self.dump_file)
+        ensure_unused(cfg.bind_address or cfg.self_address)
         self._obj = PipelinedSyncObj(cfg.self_address, cfg.other_peers(), conf, consumers=[consumer])
         self._self_address = cfg.self_address
 
@@ -104,3 +107,24 @@ class RaftBridge(Generic[S]):
 
     def destroy(self) -> None:
         self._obj.destroy()
+
+
+def ensure_unused(address: str) -> None:
+    """Refuse a Raft address another process already listens on. pysyncobj binds in its own thread
+    and only logs a failure, so such a member ran outside any group while looking healthy."""
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return  # (sync_obj_conf's checks and pysyncobj report other malformed addresses)
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except OSError:
+        return  # (an unresolvable name: pysyncobj's own error stands)
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as pysyncobj binds: TIME_WAIT is fine)
+        try:
+            probe.bind(sockaddr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise RaftSettingsError([f"Raft address {address} is already in use by another process"]) from None

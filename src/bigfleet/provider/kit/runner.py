@@ -113,5 +113,9 @@ def run(backend: Backend, args: argparse.Namespace, options: KitOptions | None =
         print(f"bigfleet {component}: {exc}", file=sys.stderr)
         return 2
     configure_logging(args.log_level, args.log_format, component=component)
-    return asyncio.run(serve_until_signal(backend, args, options, component, tls=tls, store=store,
-                                          registry=registry))
+    try:
+        return asyncio.run(serve_until_signal(backend, args, options, component, tls=tls, store=store,
+                                              registry=registry))
+    except OSError as exc:  # (a busy --listen or --metrics-listen: say so, no traceback)
+        print(f"bigfleet {component}: {exc}", file=sys.stderr)
+        return 1

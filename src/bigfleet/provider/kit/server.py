@@ -390,19 +390,17 @@ async def serve(
 
     provider = ProviderServer(backend, store, options, registry)
     await provider.start()
+    from bigfleet.security import add_port
+
     if tls is None:
         server, health = new_server()
-        provider.register(server)
-        port = server.add_insecure_port(listen)
     else:
-        from bigfleet.security import PROVIDER_POLICY, RoleInterceptor, add_port
+        from bigfleet.security import PROVIDER_POLICY, RoleInterceptor
 
         roles = RoleInterceptor(PROVIDER_POLICY, registry=registry, component="provider")
         server, health = new_server(interceptors=[roles])
-        provider.register(server)
-        port = add_port(server, listen, tls)
-    if port == 0:
-        raise OSError(f"cannot listen on {listen}")
+    provider.register(server)
+    port = add_port(server, listen, tls)  # (OSError naming the address when it cannot be bound)
     await server.start()
     await health.set("", SERVING)
     await health.set(HEALTH_SERVICE, SERVING)

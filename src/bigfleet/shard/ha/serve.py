@@ -19,7 +19,7 @@ from structlog.typing import FilteringBoundLogger
 
 from bigfleet.dashboard import DashboardServer
 from bigfleet.observability import get_logger, new_registry, start_metrics_server
-from bigfleet.raft import timing_problems
+from bigfleet.raft import RaftSettingsError, timing_problems
 from bigfleet.security.limits import SESSION_STREAM_LIMIT
 from bigfleet.security.roles import SHARD_POLICY, RoleInterceptor
 from bigfleet.security.tls import TLSConfig, add_port
@@ -83,7 +83,11 @@ async def serve(settings: ShardSettings, tls: TLSConfig | None = None) -> int:
     raft_cfg = _raft_config(settings, bind, peers, password, data_dir, log)
     if raft_cfg is None:
         return 2
-    raft = ShardRaft(raft_cfg)
+    try:
+        raft = ShardRaft(raft_cfg)
+    except RaftSettingsError as exc:  # (e.g. --raft-bind already in use: the replica would join no group)
+        log.error("cannot start the Raft member", error=str(exc))
+        return 1
     coord_client = None
     heartbeats = None
     if settings.coordinator:
