@@ -65,3 +65,10 @@ def test_a_port_in_use_is_a_clear_start_up_error(tmp_path: Path) -> None:
         assert r.returncode != 0, (what, out)
         assert "Traceback" not in out, (what, out)
         assert busy in out, (what, out)
+
+
+def test_bigfleetctl_refuses_a_timeout_that_is_not_a_positive_number() -> None:
+    for bad in ("-1", "0", "nan", "inf", "soon"):
+        r = subprocess.run([sys.executable, "-m", "bigfleet.ctl.main", "shards", "--timeout", bad],
+                           capture_output=True, text=True, timeout=60, check=False)
+        assert r.returncode == 2 and "--timeout" in r.stderr, (bad, r.stderr)

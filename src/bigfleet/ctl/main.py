@@ -270,10 +270,18 @@ HANDLERS = {
 }
 
 
+def seconds(text: str) -> float:
+    """A finite number of seconds above 0 (argparse turns the ValueError into a usage error, exit 2)."""
+    v = float(text)
+    if not 0 < v < float("inf"):
+        raise ValueError(text)
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     common.add_argument("--coordinator", default=argparse.SUPPRESS, help="coordinator address(es), comma-separated (default 127.0.0.1:7790)")
-    common.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="seconds per RPC (default 10)")
+    common.add_argument("--timeout", type=seconds, default=argparse.SUPPRESS, help="seconds per RPC (default 10)")
     common.add_argument("-o", "--output", choices=["table", "json", "yaml"], default=argparse.SUPPRESS)
     p = argparse.ArgumentParser(prog="bigfleetctl", description=__doc__.splitlines()[0], parents=[common], allow_abbrev=False)
     try:
