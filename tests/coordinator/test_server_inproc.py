@@ -129,6 +129,10 @@ async def test_reports_soft_state_and_instruction_cycle(coord: tuple[Coordinator
     reps = (await c.call("ListShardReports", pb.ListShardReportsRequest(shard_id="s1"))).reports
     assert [(r.cycle, r.summary.total_machines) for r in reps] == [(5, 10)]
     assert reps[0].shortfalls[0].priority == 7
+    # A report without a summary (a new shard leader before its first reconcile) keeps the last one.
+    await c.call("ReportShard", pb.ShardReport(shard_id="s1", cycle=1, shard_epoch=2))
+    reps = (await c.call("ListShardReports", pb.ListShardReportsRequest(shard_id="s1"))).reports
+    assert [(r.cycle, r.summary.total_machines) for r in reps] == [(1, 10)]
     assert (await c.call("ListShardReports", pb.ListShardReportsRequest(shard_id="other"))).reports == []
     # A restarted shard (new epoch) may start its cycle count over.
     await c.call("ReportShard", pb.ShardReport(shard_id="s1", cycle=1, shard_epoch=2, summary=summary))

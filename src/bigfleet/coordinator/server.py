@@ -567,7 +567,10 @@ class CoordinatorService(pbg.CoordinatorServicer):
             await d.write(cmd, context)
             d.heartbeat_written[sid] = now
         if in_order:
-            d.reports[sid] = SoftReport(sid, request.cycle, request.shard_epoch, now, request.summary, list(request.shortfalls)[:100])
+            # (a report without a summary, e.g. a new shard leader before its first reconcile, keeps
+            # the last one rather than showing an empty fleet)
+            summary = request.summary if request.HasField("summary") or prev is None else prev.summary
+            d.reports[sid] = SoftReport(sid, request.cycle, request.shard_epoch, now, summary, list(request.shortfalls)[:100])
         if request.instruction_acks:
             acks = [
                 {"id": a.instruction_id, "outcome": int(a.outcome), "reason": a.reason, "machine_ids": list(a.machine_ids)}

@@ -450,15 +450,19 @@ class ShardDaemon:
         per_type = {k: n for k, n in view.type_counts.items() if n > 0}
         per_zone = {k: n for k, n in view.zone_counts.items() if n > 0}
         rec = self.last
-        return coordinator_pb2.ShardReport(
+        report = coordinator_pb2.ShardReport(
             shard_id=self.config.shard_id,
             shard_epoch=self.config.epoch,
-            summary=coordinator_pb2.ShardSummary(
-                total_machines=total, free_machines=free, per_instance_type_counts=per_type,
-                per_zone_counts=per_zone, provider_address=self.config.provider,
-            ),
             shortfalls=shortfalls_to_proto(rec.decision.shortfalls if rec.decision else ())[:100],
         )
+        # (a new leader knows no machine until its first reconcile: no summary then, rather than a
+        # fleet of 0 that the coordinator would show and rebalance on; it keeps the last one)
+        if self.reconciled.is_set():
+            report.summary.CopyFrom(coordinator_pb2.ShardSummary(
+                total_machines=total, free_machines=free, per_instance_type_counts=per_type,
+                per_zone_counts=per_zone, provider_address=self.config.provider,
+            ))
+        return report
 
     async def set_actuation(self, paused: bool, dry_run: bool, reason: str = "", by: str = "") -> None:
         """Commit the switch to the replicated state first (it survives restart and failover), then
