@@ -204,3 +204,14 @@ def test_registered_but_never_ready_times_out() -> None:
     assert due_timeouts(ups, idx, 900, t0 + 1801, ready_timeout=1800) == []
     idx.apply("DELETED", not_ready)
     assert due_timeouts(ups, idx, 900, t0 + 1801, ready_timeout=1800) == []
+
+
+def test_a_need_held_by_a_paused_shard_shows_actuation_paused() -> None:
+    paused = shard_pb2.NeedVerdict(fingerprint="fp", satisfied=False, actuation_paused=True, machines_bound=3,
+                                   machines_missing=2, matching_supply=shardread_pb2.MatchingSupply(idle=4))
+    p = plan_status(paused, frame(paused), 2, {"phase": "Acknowledged"}, "NOW")
+    assert p.status is not None
+    conds = {c["type"]: c for c in p.status["conditions"]}
+    assert conds["Satisfied"]["status"] == "False" and conds["Satisfied"]["reason"] == "ActuationPaused"
+    assert "paused" in conds["Satisfied"]["message"] and "resumed" in conds["Satisfied"]["message"]
+    assert p.status["machines"] == {"bound": 3, "coming": 0, "missing": 2}

@@ -4,6 +4,7 @@ and which registration-timeout reports fail a machine."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -83,7 +84,8 @@ def record(cycle: int, verdicts: list[Verdict], rows: bool, wall_ns: int) -> Cyc
 def sender(view: MachineView, table: NeedsTable, reg: SessionRegistry, **kw: Any) -> NeedVerdictSender:
     failed: list[int] = []
     s = NeedVerdictSender(reg, view, lambda: table, set(), {}, ShardMetrics(new_registry()), 5,
-                          lambda *_: failed.append(1), lambda: 0.0, paced=False, **kw)
+                          lambda *_: failed.append(1), lambda: 0.0, paced=False,
+                          **{"actuating": lambda: True, **kw})
     return s
 
 
@@ -166,6 +168,35 @@ def test_frame_content_dedupe_and_escalation(rows: bool) -> None:
     assert len(frames) == 4 and frames[-1].need_verdicts.verdicts == frames[-2].need_verdicts.verdicts
 
 
+@pytest.mark.parametrize("rows", [False, True])
+def test_a_need_met_only_by_machines_a_paused_shard_does_not_acquire_is_reported_unmet(rows: bool) -> None:
+    """Paused (or dry-run), the engine still chooses machines for a need, but none is configured or
+    created: the frame says so (not satisfied, actuation_paused, the chosen ones missing) and says
+    satisfied again once actuation resumes; the switch alone brings every cluster into the next pass."""
+    n = need_from_proto(need("1"), "c1", 1)
+    table = NeedsTable()
+    table.replace("c1", [n], 1)
+    view = MachineView()
+    view.set(machine("m1", S.MACHINE_STATE_CONFIGURED, "c1", n.fingerprint))
+    reg, sess = _registry("c1")
+    actuating = [False]
+    s = sender(view, table, reg, actuating=lambda: actuating[0])
+    v = dataclasses.replace(verdict("c1", n.fingerprint, True, claimed=3), bootstrap_count=1, provision_count=1)
+    s.after_cycle(record(4, [v], rows, 4_000_000_000))
+    (line,) = sess["c1"].frames[-1].need_verdicts.verdicts
+    assert not line.satisfied and line.actuation_paused and line.machines_missing == 2
+    assert line.unmet_reason == shardread_pb2.UNMET_REASON_UNSPECIFIED and not line.escalated
+    assert (line.machines_bound, line.machines_coming) == (1, 0)
+    for k in (5, 6, 7, 8, 9, 10, 11):  # held for longer than the escalation age: never escalated, no new frame
+        s.after_cycle(record(k, [v], rows, k * 1_000_000_000))
+    assert len(sess["c1"].frames) == 1
+    actuating[0] = True
+    s.actuation_changed()
+    s.after_cycle(record(12, [v], rows, 12_000_000_000))
+    (line,) = sess["c1"].frames[-1].need_verdicts.verdicts
+    assert line.satisfied and not line.actuation_paused and len(sess["c1"].frames) == 2
+
+
 def test_clusters_without_a_session_get_nothing() -> None:
     n = need_from_proto(need("1"), "c2", 1)
     table = NeedsTable()
@@ -187,7 +218,7 @@ def test_registration_timeout_fails_only_the_reporting_clusters_configured_machi
     metrics = ShardMetrics(new_registry())
     triggered: list[tuple[str, ...]] = []
     s = NeedVerdictSender(reg, view, NeedsTable, set(), {}, metrics, 5, lambda *a: triggered.append(a),
-                          lambda: 0.0, paced=False)
+                          lambda: 0.0, paced=False, actuating=lambda: True)
 
     def report(cluster: str, mid: str) -> str:
         return s.registration_timeout(cluster, shard_pb2.NodeRegistrationTimeout(
@@ -249,7 +280,7 @@ async def test_paced_frames_are_built_per_tick_from_the_newest_cycle() -> None:
     reg, sess = _registry(*clusters)
     s = NeedVerdictSender(reg, MachineView(), lambda: table, set(), {}, ShardMetrics(new_registry()), 5,
                           lambda *_: None, lambda: asyncio.get_running_loop().time(), paced=True,
-                          interval=0.0, rate=1000.0)
+                          actuating=lambda: True, interval=0.0, rate=1000.0)
     built: list[int] = []
     real = s._cluster_frame
 
@@ -317,7 +348,7 @@ def test_frame_lines_equal_the_need_view_built_ones(seed: int) -> None:
     reg, sess = _registry("c1")
     failures: dict[tuple[str, str], str] = {}
     s = NeedVerdictSender(reg, view, lambda: table, set(), failures, ShardMetrics(new_registry()), 5,
-                          lambda *_: None, lambda: 0.0, paced=False)
+                          lambda *_: None, lambda: 0.0, paced=False, actuating=lambda: True)
     verdicts, rows = [], {}
     for i, n in enumerate(needs):
         if rnd.random() < 0.5:

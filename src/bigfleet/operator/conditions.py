@@ -44,12 +44,16 @@ EXPLAIN: dict[str, str] = {
     "TopologyUnsatisfiable": "the co-location (Same) constraint cannot be met inside this shard",
     "PreemptionExhausted": "lower-priority machines were found to preempt, but not enough",
     "Unmet": "the shard could not place all of it this cycle",
+    "ActuationPaused": "the shard's actuation is paused (or in dry-run), so the machines it chose for this need "
+                       "are not being configured or created; it goes ahead when the shard is resumed",
 }
 
 
 def reason_of(v: shard_pb2.NeedVerdict) -> str:
     if v.satisfied:
         return SATISFIED
+    if v.actuation_paused:
+        return "ActuationPaused"
     return REASONS.get(int(v.unmet_reason), "Unmet")
 
 

@@ -187,8 +187,8 @@ class ShardDaemon:
         self.verdicts = NeedVerdictSender(self.sessions, self.view, lambda: self.store.table, self.frozen_clusters,
                                           self.executor.bootstrap_failures, metrics,
                                           config.engine.escalation_after_cycles, self._registration_failed,
-                                          config.clock,
-                                          paced=not config.compute_inline)
+                                          config.clock, paced=not config.compute_inline,
+                                          actuating=lambda: not (self.paused or self.dry_run))
         self.intake = RollupIntake(self.store, self.log, config.epoch, config.guard, metrics, config.wall_ns,
                                    self._demand_changed, snap, config.cycle_interval)
         defaults, fleet = config.budget_rules()
@@ -472,6 +472,7 @@ class ShardDaemon:
         self.paused, self.dry_run = paused, dry_run
         self.metrics.paused.set(1 if self.paused else 0)
         log.warning("actuation changed", paused=self.paused, dry_run=self.dry_run, reason=reason, by=by)
+        self.verdicts.actuation_changed()
         self.trigger()
 
 

@@ -85,10 +85,11 @@ class _Entry:
     supply: tuple[Any, ...] = (0, 0, 0, False)
     missing: int = 0
     victims: int = 0
+    paused: bool = False  # met only by machines a paused (or dry-run) shard does not configure or create
 
     def key(self) -> tuple[Any, ...]:
         return (self.fingerprint, self.satisfied, self.reason, self.bound, self.coming, self.missing,
-                self.escalated, self.since, self.victims, self.error, self.deficit, self.supply[:3])
+                self.escalated, self.since, self.victims, self.error, self.deficit, self.supply[:3], self.paused)
 
 
 class _CycleClock:
@@ -128,8 +129,8 @@ class NeedVerdictSender:
     def __init__(self, sessions: SessionRegistry, view: MachineView, table: Callable[[], NeedsTable],
                  frozen_clusters: set[str], bootstrap_failures: Mapping[RowKey, str], metrics: ShardMetrics,
                  escalation_after_cycles: int, on_failed: Callable[[str, str, str], None], clock: Callable[[], float],
-                 paced: bool, interval: float = 1.0, sweep: float = 300.0, refresh: float = 60.0,
-                 rate: float = 1000.0) -> None:
+                 paced: bool, actuating: Callable[[], bool], interval: float = 1.0, sweep: float = 300.0,
+                 refresh: float = 60.0, rate: float = 1000.0) -> None:
         self.sessions = sessions
         self.view = view
         self.table = table
@@ -137,6 +138,7 @@ class NeedVerdictSender:
         self.bootstrap_failures = bootstrap_failures  # the executor's live map
         self.escalation_after = escalation_after_cycles
         self.on_failed = on_failed
+        self.actuating = actuating  # False while paused or in dry-run: the chosen machines are not acquired
         self.clock = clock
         self.paced = paced
         self.interval = interval
@@ -189,6 +191,13 @@ class NeedVerdictSender:
                 self.sessions.send(cluster_id, msg)
                 self.sent += 1
                 self.metrics.verdict_frames.inc()
+
+    def actuation_changed(self) -> None:
+        """Pause, resume or dry-run: every cluster's needs that wait on chosen machines change state
+        although the engine's rows do not; all of them are looked at in the next pass."""
+        self._due.update(self.sessions.clusters())
+        if self.paced:
+            self.ready.set()
 
     def machine_changed(self, cluster_id: str) -> None:
         """One of the cluster's machines changed state (or joined or left it): its counts may have
@@ -304,7 +313,7 @@ class NeedVerdictSender:
                 continue  # not decided on yet (a roll-up newer than the cycle)
             e = self._entry(n, r if isinstance(r, tuple) else verdict_row(r, cycle), cycle, machines)
             entries.append(e)
-            if not e.satisfied and not e.escalated:
+            if not e.satisfied and not e.escalated and not e.paused:
                 at = e.since + self.escalation_after + 1
                 escalates_at = at if escalates_at is None else min(escalates_at, at)
         unmet_any = any(not e.satisfied for e in entries)
@@ -330,8 +339,12 @@ class NeedVerdictSender:
         satisfied = bool(row[0])
         reason = int(row[9])
         bound, coming, unit = machines.get(n.fingerprint, (0, 0, None))
-        e = _Entry(n.fingerprint, satisfied, reason if reason <= 4 else 0, bound, coming,
-                   self.bootstrap_failures.get((n.cluster_id, n.fingerprint), "")[:1024])
+        error = self.bootstrap_failures.get((n.cluster_id, n.fingerprint), "")[:1024]
+        chosen = int(row[2]) + int(row[3])  # machines this cycle chose for it (Configure, Create)
+        if satisfied and chosen and not self.actuating():
+            return _Entry(n.fingerprint, False, 0, bound, coming, error, supply=tuple(row[11]), missing=chosen,
+                          paused=True)  # (no streak, no age: nothing is short but the switch)
+        e = _Entry(n.fingerprint, satisfied, reason if reason <= 4 else 0, bound, coming, error)
         if not satisfied:
             e.age = row_age(row[8], cycle)
             e.since = cycle - e.age
@@ -348,9 +361,10 @@ class NeedVerdictSender:
         v.unmet_reason = e.reason  # type: ignore[assignment]
         v.machines_bound = e.bound
         v.machines_coming = e.coming
+        v.actuation_paused = e.paused
         if not e.satisfied:
             v.shortfall_age_cycles = e.age
-            wall = self.cycle_clock.wall_of(e.since)
+            wall = self.cycle_clock.wall_of(e.since) if not e.paused else None
             if wall is not None:
                 v.shortfall_age_seconds = max(0, (computed_at - wall) // 1_000_000_000)
             v.escalated = e.escalated

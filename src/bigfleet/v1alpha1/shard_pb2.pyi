@@ -519,6 +519,7 @@ class NeedVerdict(_message.Message):
     MATCHING_SUPPLY_FIELD_NUMBER: _builtins.int
     VICTIMS_FOUND_FIELD_NUMBER: _builtins.int
     BOOTSTRAP_ERROR_FIELD_NUMBER: _builtins.int
+    ACTUATION_PAUSED_FIELD_NUMBER: _builtins.int
     fingerprint: _builtins.str
     """The need's profile fingerprint (ShardRead NeedView.profile_fingerprint). An operator computes
     the same value from the CapacityNeed it sent (bigfleet.needs.profile_from_proto).
@@ -545,6 +546,11 @@ class NeedVerdict(_message.Message):
     """Lower-priority machines Phase 2 found to preempt for this need in the cycle."""
     bootstrap_error: _builtins.str
     """Why the last bootstrap pull for this need failed; empty once a machine was configured for it."""
+    actuation_paused: _builtins.bool
+    """The shard's actuation is paused (or in dry-run) and this need waits on machines the engine chose
+    for it that are therefore not being configured or created: satisfied is false, unmet_reason
+    UNSPECIFIED, and machines_missing counts them. Cleared when actuation resumes.
+    """
     @_builtins.property
     def deficit(self) -> _provider_pb2.Resources:
         """What is still missing (unsatisfied only)."""
@@ -569,10 +575,11 @@ class NeedVerdict(_message.Message):
         matching_supply: _shardread_pb2.MatchingSupply | None = ...,
         victims_found: _builtins.int = ...,
         bootstrap_error: _builtins.str = ...,
+        actuation_paused: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deficit", b"deficit", "matching_supply", b"matching_supply"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bootstrap_error", b"bootstrap_error", "deficit", b"deficit", "escalated", b"escalated", "fingerprint", b"fingerprint", "machines_bound", b"machines_bound", "machines_coming", b"machines_coming", "machines_missing", b"machines_missing", "matching_supply", b"matching_supply", "satisfied", b"satisfied", "shortfall_age_cycles", b"shortfall_age_cycles", "shortfall_age_seconds", b"shortfall_age_seconds", "unmet_reason", b"unmet_reason", "victims_found", b"victims_found"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actuation_paused", b"actuation_paused", "bootstrap_error", b"bootstrap_error", "deficit", b"deficit", "escalated", b"escalated", "fingerprint", b"fingerprint", "machines_bound", b"machines_bound", "machines_coming", b"machines_coming", "machines_missing", b"machines_missing", "matching_supply", b"matching_supply", "satisfied", b"satisfied", "shortfall_age_cycles", b"shortfall_age_cycles", "shortfall_age_seconds", b"shortfall_age_seconds", "unmet_reason", b"unmet_reason", "victims_found", b"victims_found"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
