@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from bigfleet.coordclient.client import CoordinatorClient
-from bigfleet.coordinator.server import CoordinatorConfig, CoordinatorDaemon
+from bigfleet.coordinator.server import CoordinatorConfig, CoordinatorDaemon, _unreachable
 from bigfleet.testing import free_port
 from bigfleet.v1alpha1 import capacity_pb2, provider_pb2
 from bigfleet.v1alpha1 import coordinator_pb2 as pb
@@ -116,6 +116,23 @@ async def test_joining_an_address_nobody_listens_on_changes_nothing(
     # still the leader: a write goes through at once
     await c.call("ReportShard", pb.ShardReport(shard_id="s1", shard_address="127.0.0.1:7780"))
     assert [s.shard_id for s in (await c.call("ListShards", pb.ListShardsRequest())).shards] == ["s1"]
+
+
+async def test_a_replica_that_binds_its_raft_port_a_moment_after_the_join_is_reachable() -> None:
+    """`bigfleetctl raft join` right after starting a replica: its Raft port opens from pysyncobj's
+    thread a moment later; the probe waits for it instead of refusing (nobody at all: refused)."""
+    port = free_port()
+
+    async def listen_later() -> asyncio.Server:
+        await asyncio.sleep(0.6)
+        return await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", port)
+
+    later = asyncio.create_task(listen_later())
+    try:
+        assert await _unreachable(f"127.0.0.1:{port}", settle=5.0) == ""
+    finally:
+        (await later).close()
+    assert await _unreachable(f"127.0.0.1:{free_port()}", settle=0.5) != ""
 
 
 async def test_reports_soft_state_and_instruction_cycle(coord: tuple[CoordinatorDaemon, CoordinatorClient]) -> None:

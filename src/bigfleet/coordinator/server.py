@@ -832,7 +832,8 @@ class CoordinatorService(pbg.CoordinatorServicer):
             return pb.JoinRaftClusterResponse()
         # A member that never answers still counts towards the quorum once added (a group of one
         # would stop committing for good): only a replica already listening is added.
-        unreachable = await _unreachable(request.raft_address)
+        left = context.time_remaining()  # (the probe's retries end well inside the caller's deadline)
+        unreachable = await _unreachable(request.raft_address, settle=5.0 if left is None else min(5.0, left / 2))
         if unreachable:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"raft_address {request.raft_address} is not reachable ({unreachable}); start the "
@@ -860,14 +861,23 @@ class CoordinatorService(pbg.CoordinatorServicer):
             yield pb.SnapshotSaveChunk(data=data[off : off + snap.CHUNK])
 
 
-async def _unreachable(address: str, timeout: float = 3.0) -> str:
-    """Why a TCP connection to `address` (HOST:PORT) failed, or "" once one opened."""
+async def _unreachable(address: str, timeout: float = 3.0, settle: float = 5.0) -> str:
+    """Why a TCP connection to `address` (HOST:PORT) failed, or "" once one opened. A refused
+    connection is tried again for `settle` seconds: a replica started just before the join binds
+    its Raft port from its own thread a moment after its process is up."""
     host, port = req.check_address(address, "raft_address")
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-    except (TimeoutError, OSError) as exc:
-        return str(exc) or type(exc).__name__
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return ""
+    deadline = asyncio.get_running_loop().time() + settle
+    while True:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        except TimeoutError as exc:
+            return str(exc) or type(exc).__name__
+        except OSError as exc:
+            if asyncio.get_running_loop().time() >= deadline:
+                return str(exc) or type(exc).__name__
+            await asyncio.sleep(0.2)
+            continue
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return ""
