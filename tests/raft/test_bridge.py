@@ -9,7 +9,7 @@ from pathlib import Path
 from pysyncobj import FAIL_REASON, replicated
 
 from bigfleet.raft import LockedConsumer, RaftBridge, RaftError, RaftSettings, fail_reason
-from bigfleet.testing import free_port, wait_until
+from bigfleet.testing import free_port, wait_until_async
 
 
 class _Counter(LockedConsumer[dict[str, int]]):
@@ -39,8 +39,8 @@ async def test_single_member_commits_and_reads(tmp_path: Path) -> None:
     me = f"127.0.0.1:{free_port()}"
     node = _Node(RaftSettings(me, [me], tmp_path, "pw"))
     try:
-        # pysyncobj ticks on its own thread, so a blocking wait here is fine.
-        wait_until(node.is_leader, timeout=30, what="a single member elects itself")
+        # (pysyncobj ticks on this loop: the wait must not block it)
+        await wait_until_async(node.is_leader, timeout=30, what="a single member elects itself")
         assert await node.add("a", 2) == 2
         assert await node.add("a", 3) == 5
         assert node.read(lambda s: dict(s)) == {"a": 5}

@@ -25,8 +25,6 @@ WRITERS, WRITES = 200, 40
 
 def _member(i: int, addrs: list[str], data: str, out: Any, stop: Any) -> None:
     """One member: the leader runs the writers; every member reports its state and the log lines."""
-    from .test_bridge import _Node
-
     seen: list[str] = []
 
     class _Catch(logging.Handler):
@@ -34,25 +32,28 @@ def _member(i: int, addrs: list[str], data: str, out: Any, stop: Any) -> None:
             seen.append(record.getMessage())
 
     logging.getLogger("pysyncobj").addHandler(_Catch(logging.WARNING))
+    asyncio.run(_serve_member(i, addrs, data, out, stop, seen))
+
+
+async def _serve_member(i: int, addrs: list[str], data: str, out: Any, stop: Any, seen: list[str]) -> None:
+    from .test_bridge import _Node
+
     # Long election and fallback timeouts: a leader change on a loaded machine re-sends entries for a
     # real reason, which is not what this test is about.
-    node = _Node(RaftSettings(addrs[i], addrs, Path(data) / f"n{i}", "pw", tick_period=0.002, election_min=4.0,
+    node = _Node(RaftSettings(addrs[i], addrs, Path(data) / f"n{i}", "pw", election_min=4.0,
                               election_max=5.0, connection_timeout=6.0, leader_fallback=6.0))
     try:
         deadline = time.monotonic() + 60
         while node.leader() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+            await asyncio.sleep(0.05)
         if node.is_leader():
             async def writer(k: int) -> None:
                 for _ in range(WRITES):
                     await node.add(f"k{k}", 1)
 
-            async def run() -> None:
-                await asyncio.gather(*(writer(k) for k in range(WRITERS)))
-
-            asyncio.run(run())
+            await asyncio.gather(*(writer(k) for k in range(WRITERS)))
             out.put(("done", i, node.last_applied()))
-        stop.wait(120)
+        await asyncio.get_running_loop().run_in_executor(None, stop.wait, 120)  # (the member keeps ticking)
         out.put(("state", i, node.is_leader(), node.last_applied(), node.read(lambda s: dict(s)), seen))
     finally:
         node.destroy()

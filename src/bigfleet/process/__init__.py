@@ -5,6 +5,6 @@ Used by the all-in-one fleet, the scale harness, the provider conformance runner
 `bigfleet.process` re-export) the tests and benchmarks.
 """
 
-from bigfleet.process.procs import ManagedProcess, free_port, wait_for_health, wait_until
+from bigfleet.process.procs import ManagedProcess, free_port, wait_for_health, wait_until, wait_until_async
 
-__all__ = ["ManagedProcess", "free_port", "wait_for_health", "wait_until"]
+__all__ = ["ManagedProcess", "free_port", "wait_for_health", "wait_until", "wait_until_async"]

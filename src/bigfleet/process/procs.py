@@ -7,6 +7,7 @@ fail with a clear message when it is not.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -65,6 +66,20 @@ def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.0
         if time.monotonic() >= deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc!r})" if last_exc else ""))
         time.sleep(interval)
+
+
+async def wait_until_async(predicate: Callable[[], T], timeout: float, interval: float = 0.05,
+                           what: str = "condition") -> T:
+    """`wait_until` for a caller on an event loop whose own work (a Raft member, a server) the
+    condition depends on: it sleeps on the loop instead of blocking it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(interval)
 
 
 def health_status(target: str, service: str = "", timeout: float = 1.0) -> int:

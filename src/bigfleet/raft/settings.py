@@ -47,8 +47,8 @@ class RaftSettings:
     batch: bool = False
     #: pysyncobj drops a peer connection silent this long (election timeouts must fit within it)
     connection_timeout: float = CONNECTION_TIMEOUT
-    #: how long pysyncobj's tick thread waits for network events; a command submitted from another
-    #: thread is picked up on the next tick, so this bounds a lone write's latency too
+    #: how often pysyncobj's timers (heartbeats, elections, reconnects) are looked at; ticks also
+    #: follow every message and command on the event loop, so this does not delay a write
     tick_period: float = 0.01
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -6,6 +6,6 @@ benchmarks. Production code must not import ``bigfleet.testing`` (an import-lint
 docs/architecture.md).
 """
 
-from bigfleet.process import ManagedProcess, free_port, wait_for_health, wait_until
+from bigfleet.process import ManagedProcess, free_port, wait_for_health, wait_until, wait_until_async
 
-__all__ = ["ManagedProcess", "free_port", "wait_for_health", "wait_until"]
+__all__ = ["ManagedProcess", "free_port", "wait_for_health", "wait_until", "wait_until_async"]

@@ -152,10 +152,6 @@ class _Replicated(LockedConsumer[HAState]):
 @dataclass
 class ShardRaftConfig(RaftSettings):
     heartbeat_period: float = 0.02
-    # A roll-up is acknowledged after its command commits. In a group of one the commit is applied
-    # on pysyncobj's next tick: 2 ms ticks took a commit from ~13 ms to ~2.6 ms p50 at 500 changed
-    # roll-ups/s (idle cost: 2.2 % -> 2.9 % of a core; docs/perf/shard-ha.md).
-    tick_period: float = 0.002
     compaction_min_entries: int = 5_000
     # Unbatched: a new command wakes pysyncobj at once and goes to the followers at once. Batched
     # appends waited for the next heartbeat (20 ms), which was most of a 3-replica commit (p50
