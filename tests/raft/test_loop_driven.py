@@ -16,7 +16,7 @@ from pysyncobj.poller import POLL_EVENT_TYPE
 
 from bigfleet.raft import RaftSettings, framing
 from bigfleet.raft.dns import BackgroundResolver
-from bigfleet.raft.looptick import LoopPoller, LoopTicker
+from bigfleet.raft.looptick import LoopDriver, LoopPoller
 from bigfleet.testing import free_port, wait_until_async
 
 from .test_bridge import _Counter, _Node
@@ -27,42 +27,103 @@ async def test_poller_delivers_reads_and_drops_a_descriptor_closed_before_unsubs
     EBADF, and the member's connection state was left half torn down)."""
     loop = asyncio.get_running_loop()
     woke: list[int] = []
-    poller = LoopPoller(loop, lambda: woke.append(1))
+    poller = LoopPoller(loop, threading.Lock(), lambda: woke.append(1))
     a, b = socket.socketpair()
     a.setblocking(False)
     got: list[tuple[int, int]] = []
-    poller.subscribe(a.fileno(), lambda fd, ev: got.append((fd, ev)) or a.recv(16),
-                     POLL_EVENT_TYPE.READ | POLL_EVENT_TYPE.WRITE | POLL_EVENT_TYPE.ERROR)
+    both = POLL_EVENT_TYPE.READ | POLL_EVENT_TYPE.WRITE | POLL_EVENT_TYPE.ERROR
+    poller.subscribe(a.fileno(), lambda fd, ev: got.append((fd, ev)) or a.recv(16), both)
     poller.subscribe(a.fileno(), lambda fd, ev: got.append((fd, ev)) or a.recv(16),
                      POLL_EVENT_TYPE.READ | POLL_EVENT_TYPE.ERROR)  # (the write interest is dropped)
     b.send(b"x")
     await wait_until_async(lambda: got, 5, what="a read event")
     assert got[0][1] == POLL_EVENT_TYPE.READ and woke
     fd = a.fileno()
-    poller.subscribe(fd, lambda fd, ev: None, POLL_EVENT_TYPE.READ | POLL_EVENT_TYPE.WRITE | POLL_EVENT_TYPE.ERROR)
+    poller.subscribe(fd, lambda fd, ev: None, both)
     a.close()
     poller.unsubscribe(fd)  # closed first, as pysyncobj does: no error
     b.close()
     poller.close()
 
 
-async def test_ticker_coalesces_wakes_and_keeps_its_timer() -> None:
+async def test_off_the_loop_the_poller_polls_itself_and_defers_registration() -> None:
+    """What the stall watcher relies on: from another thread, `poll` finds ready sockets with a
+    non-blocking select and a subscription reaches the loop's selector once the loop runs."""
+    loop = asyncio.get_running_loop()
+    poller = LoopPoller(loop, threading.Lock(), lambda: None)
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    got: list[int] = []
+    b.send(b"y")
+
+    def off_loop() -> None:
+        poller.subscribe(a.fileno(), lambda fd, ev: got.append(ev) or a.recv(16),
+                         POLL_EVENT_TYPE.READ | POLL_EVENT_TYPE.ERROR)
+        poller.poll(0)
+
+    await asyncio.to_thread(off_loop)
+    assert got == [POLL_EVENT_TYPE.READ]
+    b.send(b"z")  # now the loop's own reader delivers it
+    await wait_until_async(lambda: len(got) == 2, 5, what="the loop's reader")
+    poller.close()
+    a.close()
+    b.close()
+
+
+async def test_driver_coalesces_wakes_and_keeps_its_timer() -> None:
     loop = asyncio.get_running_loop()
     ticks: list[float] = []
-    t = LoopTicker(loop, lambda: ticks.append(time.monotonic()), 0.05)
-    t.start()
+    d = LoopDriver(loop, 0.05, 5.0)
+    d.start(lambda _wait: ticks.append(time.monotonic()))
+    await asyncio.sleep(0)
+    n0 = len(ticks)
     for _ in range(10):
-        t.wake()
+        d.wake()
     await asyncio.sleep(0)
     await asyncio.sleep(0)
-    assert len(ticks) == 1  # ten wakes before the loop ran: one tick
+    assert len(ticks) == n0 + 1  # ten wakes before the loop ran: one tick
     await asyncio.sleep(0.28)
-    assert 4 <= len(ticks) <= 8  # the timer alone: every 50 ms
-    t.stop()
-    n = len(ticks)
-    t.wake()
+    assert 4 <= len(ticks) - n0 <= 8  # the timer alone: every 50 ms
+    stopped: list[int] = []
+    d.stop(lambda: stopped.append(len(ticks)))
+    d.wake()
     await asyncio.sleep(0.12)
-    assert len(ticks) == n
+    assert stopped == [len(ticks)] and d.rescued == 0
+
+
+async def test_a_stalled_loop_is_ticked_by_the_watcher() -> None:
+    loop = asyncio.get_running_loop()
+    where: list[bool] = []
+    d = LoopDriver(loop, 0.01, 0.1)
+    d.start(lambda _wait: where.append(threading.current_thread() is threading.main_thread()))
+    await asyncio.sleep(0.05)
+    time.sleep(0.6)  # the loop is busy (and lets go of the GIL, as most long work does now and then)
+    await asyncio.sleep(0)
+    d.stop(lambda: None)
+    assert d.rescued >= 10 and where.count(False) == d.rescued  # the watcher ticked, off the loop
+    assert where[-1] or where.count(True) > 1
+
+
+async def test_a_member_whose_loop_stalls_keeps_its_leadership(tmp_path: Path) -> None:
+    """Three members on one loop, 0.3-0.6 s elections: the loop blocked for 2 s would let every
+    follower's election timer run out (the term would move) unless the watcher kept the
+    heartbeats and replies flowing meanwhile."""
+    addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    nodes = [_Node(RaftSettings(a, addrs, tmp_path / f"n{i}", "pw", election_min=0.3, election_max=0.6))
+             for i, a in enumerate(addrs)]
+    try:
+        await wait_until_async(lambda: sum(n.is_leader() for n in nodes) == 1, 30, what="a leader")
+        leader = next(n for n in nodes if n.is_leader())
+        assert await leader.add("k", 1) == 1
+        term = leader.raft_term()
+        time.sleep(2.0)
+        await asyncio.sleep(0.3)
+        assert leader.is_leader() and leader.raft_term() == term
+        assert all(n.stall_ticks > 0 for n in nodes)
+        assert await leader.add("k", 1) == 2
+    finally:
+        for n in nodes:
+            n.destroy()
 
 
 def test_small_messages_are_stored_deflate_streams_any_peer_reads() -> None:

@@ -13,21 +13,20 @@ from __future__ import annotations
 import asyncio
 import errno
 import socket
+import threading
 from collections.abc import Callable
 from typing import Any, ClassVar, Generic, TypeVar
 
 from pysyncobj import FAIL_REASON
 
-from bigfleet.observability import get_logger
 from bigfleet.raft import dns, framing
 from bigfleet.raft.consumer import LockedConsumer
 from bigfleet.raft.errors import RaftError, fail_reason
-from bigfleet.raft.looptick import LoopPoller, LoopTicker
+from bigfleet.raft.looptick import LoopDriver
 from bigfleet.raft.pipelined import PipelinedSyncObj
 from bigfleet.raft.settings import RaftSettings, RaftSettingsError, sync_obj_conf
 
 framing.install()
-log = get_logger("bigfleet.raft")
 
 S = TypeVar("S")
 T = TypeVar("T")
@@ -48,20 +47,21 @@ class RaftBridge(Generic[S]):
             loop = asyncio.get_running_loop()
         except RuntimeError:
             raise RuntimeError("a Raft member is built inside the event loop that drives it") from None
+        self._loop = loop
+        self._loop_thread = threading.get_ident()
         dns.install(_host(a) for a in [cfg.self_address, *cfg.other_peers()])
         conf.autoTick = False
-        self._ticker = LoopTicker(loop, self._tick, cfg.tick_period)
-        self._poller = LoopPoller(loop, self._ticker.wake)
+        # (heartbeats can lapse for a fraction of an election timeout before anyone notices)
+        self._driver = LoopDriver(loop, cfg.tick_period, max(2 * cfg.tick_period, min(0.25, cfg.election_min / 4)))
         self._obj = PipelinedSyncObj(cfg.self_address, cfg.other_peers(), conf, consumers=[consumer],
-                                     poller=self._poller)
+                                     poller=self._driver.poller)
         self._self_address = cfg.self_address
-        self._ticker.start()
+        self._driver.start(self._obj.doTick)
 
-    def _tick(self) -> None:
-        try:
-            self._obj.doTick(0.0)
-        except Exception:  # (as pysyncobj's own tick thread did: log it, the next tick tries again)
-            log.exception("raft tick failed")
+    @property
+    def stall_ticks(self) -> int:
+        """Ticks the stall watcher ran because the event loop was busy."""
+        return self._driver.rescued
 
     # ------------------------------------------------------------- status
     @property
@@ -85,10 +85,13 @@ class RaftBridge(Generic[S]):
         return bool(self._obj.hasQuorum)
 
     def status(self) -> dict[str, Any]:
-        return dict(self._obj.getStatus())
+        with self._driver.lock:  # (the stall watcher may be ticking: pysyncobj's sets must not move)
+            return dict(self._obj.getStatus())
 
     def members(self) -> list[str]:
-        return sorted([self._self_address, *[str(n.address) for n in self._obj.otherNodes]])
+        with self._driver.lock:
+            others = [str(n.address) for n in self._obj.otherNodes]
+        return sorted([self._self_address, *others])
 
     # -------------------------------------------------------------- reads
     def read(self, fn: Callable[[S], T]) -> T:
@@ -102,7 +105,7 @@ class RaftBridge(Generic[S]):
         comes from a tick, on this loop)."""
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
-        def done(res: Any, err: Any) -> None:
+        def settle(res: Any, err: Any) -> None:
             if fut.done():
                 return
             if err == FAIL_REASON.SUCCESS:
@@ -110,8 +113,17 @@ class RaftBridge(Generic[S]):
             else:
                 fut.set_exception(RaftError(f"{what} failed: {fail_reason(err)}"))
 
+        def done(res: Any, err: Any) -> None:
+            if threading.get_ident() == self._loop_thread:
+                settle(res, err)
+                return
+            try:  # (a tick of the stall watcher's)
+                self._loop.call_soon_threadsafe(settle, res, err)
+            except RuntimeError:  # the loop closed while the write was in flight: nobody waits
+                pass
+
         method(*args, callback=done)
-        self._ticker.wake()
+        self._driver.wake()
         try:
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError as exc:
@@ -124,9 +136,7 @@ class RaftBridge(Generic[S]):
         await self.call(self._obj.removeNodeFromCluster, address, timeout=timeout, what="membership change")
 
     def destroy(self) -> None:
-        self._ticker.stop()
-        self._obj.destroy()
-        self._poller.close()
+        self._driver.stop(self._obj.destroy)
 
 
 def _host(address: str) -> str:
