@@ -4,7 +4,9 @@ still readable by a plain pysyncobj peer, and peer names looked up without block
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
+import resource
 import socket
 import threading
 import time
@@ -51,7 +53,10 @@ async def test_off_the_loop_the_poller_polls_itself_and_defers_registration() ->
     non-blocking select and a subscription reaches the loop's selector once the loop runs."""
     loop = asyncio.get_running_loop()
     poller = LoopPoller(loop, threading.Lock(), lambda: None)
-    a, b = socket.socketpair()
+    a0, b = socket.socketpair()
+    # (a descriptor past select()'s 1024: a shard with thousands of Sessions has such Raft sockets)
+    high = max(1500, a0.fileno()) if resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 1600 else a0.fileno()
+    a = socket.socket(fileno=os.dup2(a0.fileno(), high)) if high != a0.fileno() else a0
     a.setblocking(False)
     got: list[int] = []
     b.send(b"y")
@@ -66,8 +71,8 @@ async def test_off_the_loop_the_poller_polls_itself_and_defers_registration() ->
     b.send(b"z")  # now the loop's own reader delivers it
     await wait_until_async(lambda: len(got) == 2, 5, what="the loop's reader")
     poller.close()
-    a.close()
-    b.close()
+    for sock in {a, a0, b}:
+        sock.close()
 
 
 async def test_driver_coalesces_wakes_and_keeps_its_timer() -> None:

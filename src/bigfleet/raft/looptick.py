@@ -38,7 +38,7 @@ class LoopPoller:
     ``subscribe``/``unsubscribe`` record what pysyncobj wants and bring the loop's registration in
     line (at once on the loop's thread, through ``call_soon_threadsafe`` from the watcher). ``poll``
     does nothing on the loop's thread (the loop delivers events); on the watcher it is a
-    non-blocking ``select`` over the wanted descriptors.
+    non-blocking ``poll`` over the wanted descriptors.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, lock: threading.Lock, wake: Callable[[], None]) -> None:
@@ -63,16 +63,14 @@ class LoopPoller:
     def poll(self, timeout: float) -> None:
         if threading.get_ident() == self._loop_thread:
             return  # (events reach pysyncobj from the loop as they happen)
-        wanted = list(self._wanted.items())
-        try:
-            readable, writable, _ = select.select([fd for fd, m in wanted if m & _READ],
-                                                  [fd for fd, m in wanted if m & _WRITE], [], 0)
-        except (OSError, ValueError):  # (a descriptor closed meanwhile: the next poll goes without it)
-            return
-        for fd, event in [*((fd, POLL_EVENT_TYPE.READ) for fd in readable),
-                          *((fd, POLL_EVENT_TYPE.WRITE) for fd in writable)]:
+        p = select.poll()  # (not select(): a shard with thousands of sessions has descriptors past 1024)
+        for fd, mask in list(self._wanted.items()):
+            p.register(fd, (select.POLLIN if mask & _READ else 0) | (select.POLLOUT if mask & _WRITE else 0))
+        for fd, ev in p.poll(0):
+            event = (POLL_EVENT_TYPE.READ if ev & (select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLNVAL)
+                     else 0) | (POLL_EVENT_TYPE.WRITE if ev & select.POLLOUT else 0)
             cb = self._callbacks.get(fd)
-            if cb is not None:
+            if cb is not None and event:
                 cb(fd, event)
 
     def close(self) -> None:
