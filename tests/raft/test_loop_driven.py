@@ -193,3 +193,17 @@ def test_resolver_answers_from_what_it_knows_and_looks_up_on_a_thread() -> None:
     while r.resolve("peer-1.example") is None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert r.resolve("peer-1.example") == "10.0.0.7"
+
+
+def test_a_failed_refresh_keeps_the_addresses_a_peer_had() -> None:
+    """A DNS hiccup must not cut a healthy peer off: the last addresses stay until a lookup works."""
+    r = BackgroundResolver(ttl=0.0, retry=0.0)
+    answers = [["10.0.0.8"], []]
+    r._lookup = lambda host: answers.pop(0) if answers else []  # type: ignore[method-assign,assignment]
+    r.prime(["peer-2.example"])
+    assert r.resolve("peer-2.example") == "10.0.0.8"  # (due again at once: a refresh that fails starts)
+    deadline = time.monotonic() + 5
+    while answers and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert not answers and r.resolve("peer-2.example") == "10.0.0.8"

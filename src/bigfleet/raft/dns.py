@@ -77,16 +77,20 @@ class BackgroundResolver(DnsCachingResolver):  # type: ignore[misc]
 
     def _store(self, host: str, addrs: list[str]) -> None:
         with self._lock:
-            _, before, _ = self._known.get(host, (0.0, [], False))
+            seen = self._known.get(host)
+            before, was_ok = (seen[1], seen[2]) if seen is not None else ([], True)
             # (a failed refresh keeps the addresses it had: a DNS hiccup must not cut a healthy peer off)
             self._known[host] = (time.monotonic(), addrs or before, bool(addrs))
+        if not addrs and was_ok:  # (said once per outage, not at every retry)
+            log.warning("raft peer name does not resolve (retried in the background)", host=host, every_s=self.retry)
+        elif addrs and not was_ok:
+            log.info("raft peer name resolves again", host=host, addresses=addrs)
 
     @staticmethod
     def _lookup(host: str) -> list[str]:
         try:
             infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-        except OSError as exc:
-            log.warning("raft peer name did not resolve", host=host, error=str(exc))
+        except OSError:
             return []
         v4 = sorted({str(i[4][0]) for i in infos if i[0] == socket.AF_INET})
         return v4 or sorted({str(i[4][0]) for i in infos})
