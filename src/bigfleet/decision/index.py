@@ -556,21 +556,65 @@ def _flush(pending: dict[int, list[tuple[bool, list[Machine]]]], lists: dict[int
 
 
 def _file_bound(ix: Index, groups: dict[tuple[str, MachineState, int], list[Machine]], add: bool) -> None:
-    cc = ix.configured_count
+    """Apply the grouped bound changes; the cluster's version, log and count move once per cluster
+    (a wave touches ~20 000 (cluster, class) lists of one or two records over a few clusters)."""
+    bound = ix.bound
+    last: str | None = None
+    by_state: dict[int, dict[int, list[Machine]]] = {}
+    n_groups = moved = moved_conf = 0
     for (cluster, st, ci), grp in groups.items():
+        if cluster != last:
+            if last is not None:
+                _log_cluster(ix, last, n_groups, moved, moved_conf, add)
+            last, n_groups, moved, moved_conf = cluster, 0, 0, 0
+            by_state = bound.get(cluster) or bound.setdefault(cluster, {})
         sti = int(st)
-        by_class = ix.bound.setdefault(cluster, {}).setdefault(sti, {})
-        lst = by_class.setdefault(ci, [])
-        _change_many(lst, grp, keep_key, add, False)
+        by_class = by_state.get(sti)
+        if by_class is None:
+            by_class = by_state[sti] = {}
+        lst = by_class.get(ci)
+        if lst is None:
+            lst = by_class[ci] = []
+        if not add and len(grp) == 1:
+            _remove_one(lst, grp[0])
+        else:
+            _change_many(lst, grp, keep_key, add, False)
         if not lst:
             del by_class[ci]
-        _log_bound(ix, cluster, [], len(grp) if add else -len(grp))
+        n_groups += 1
+        moved += len(grp)
         if sti == CONFIGURED:
-            left = cc.get(cluster, 0) + (len(grp) if add else -len(grp))
-            if left:
-                cc[cluster] = left
-            else:
-                cc.pop(cluster, None)
+            moved_conf += len(grp)
+    if last is not None:
+        _log_cluster(ix, last, n_groups, moved, moved_conf, add)
+
+
+def _log_cluster(ix: Index, cluster: str, n_groups: int, moved: int, moved_conf: int, add: bool) -> None:
+    """One cluster's share of `_file_bound`: the version moves by one per list changed (as filing the
+    lists one by one did), the log notes the additions, the Configured count follows."""
+    ver = ix.cluster_ver.get(cluster, 0)
+    if cluster not in ix.bound_log:
+        ix.bound_log[cluster] = BoundDelta(ver)
+    if add:
+        ix.bound_log[cluster].added += moved
+    ix.cluster_ver[cluster] = ver + n_groups
+    if moved_conf:
+        cc = ix.configured_count
+        left = cc.get(cluster, 0) + (moved_conf if add else -moved_conf)
+        if left:
+            cc[cluster] = left
+        else:
+            cc.pop(cluster, None)
+
+
+def _remove_one(lst: list[Machine], m: Machine) -> None:
+    """Remove `m` (by identity) from a bound list; a wave drains lists from their end, so look there first."""
+    i = len(lst) - 1
+    while i >= 0 and lst[i] is not m:
+        i -= 1
+    if i < 0:
+        raise KeyError(m.id)
+    del lst[i]
 
 
 def _change_many(lst: list[Machine], grp: list[Machine], key: Callable[[Machine], Any], add: bool,
