@@ -550,6 +550,9 @@ class CoordinatorService(pbg.CoordinatorServicer):
         d = self.d
         now = _now()
         entry = d.r().read(lambda st: st.shards.get(sid))
+        if entry is None and not request.shard_address:
+            # (a later report may leave it out: the address stays as registered)
+            await self._invalid(context, "shard_address: required in a shard's first report (operators dial it)")
         prev = d.reports.get(sid)
         # Reports can arrive out of order (retries); an older cycle of the same epoch updates nothing.
         in_order = prev is None or request.shard_epoch != prev.epoch or request.cycle >= prev.cycle

@@ -50,6 +50,11 @@ class RaftSettings:
     #: how often pysyncobj's timers (heartbeats, elections, reconnects) are looked at; ticks also
     #: follow every message and command on the event loop, so this does not delay a write
     tick_period: float = 0.01
+    #: the group's members are kept in its log and snapshot (changed by `add_node`/`remove_node`). False
+    #: for a member whose address is new at every start (a shard's group of one on a free loopback
+    #: port): its snapshot would bring back its last address as a second member that never answers,
+    #: so the restarted member could never win an election.
+    membership_in_log: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def other_peers(self) -> list[str]:
@@ -138,7 +143,7 @@ def _conf(s: RaftSettings, journal_file: str, dump_file: str) -> SyncObjConf:
         appendEntriesPeriod=s.heartbeat_period,
         appendEntriesUseBatch=s.batch,
         autoTickPeriod=s.tick_period,
-        dynamicMembershipChange=True,
+        dynamicMembershipChange=s.membership_in_log,
         journalFile=str(s.data_dir / journal_file),
         fullDumpFile=str(s.data_dir / dump_file),
         logCompactionMinEntries=s.compaction_min_entries,

@@ -41,8 +41,8 @@ def raft_password(flag: str | None, environ: Mapping[str, str] = os.environ) -> 
 
 
 def loopback_address() -> str:
-    """A free loopback port for a group of one (no peer ever dials it; its name is not persisted
-    in a way that matters: a single member is always its own quorum)."""
+    """A free loopback port for a group of one: no peer ever dials it, and it changes at every start,
+    so the member's Raft config keeps its membership out of the log (see `raft_config`)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return f"127.0.0.1:{s.getsockname()[1]}"
@@ -80,7 +80,7 @@ async def serve(settings: ShardSettings, tls: TLSConfig | None = None) -> int:
     server, health = build_server(
         RoleInterceptor(SHARD_POLICY, registry=registry, component="shard", stream_limits=session_limits)
     )
-    raft_cfg = _raft_config(settings, bind, peers, password, data_dir, log)
+    raft_cfg = raft_config(settings, bind, peers, password, data_dir, log)
     if raft_cfg is None:
         return 2
     try:
@@ -147,12 +147,15 @@ def _data_dir(settings: ShardSettings, log: FilteringBoundLogger) -> Path | None
     return data_dir
 
 
-def _raft_config(settings: ShardSettings, bind: str, peers: list[str], password: str, data_dir: Path,
+def raft_config(settings: ShardSettings, bind: str, peers: list[str], password: str, data_dir: Path,
                  log: FilteringBoundLogger) -> ShardRaftConfig | None:
     """The Raft member's settings; None (logged, naming the flags) for timings pysyncobj would refuse."""
     # Bind the Raft port on the named address only (as the coordinator does): pysyncobj would
     # otherwise listen on every interface, and a group of one must stay on loopback.
     raft_cfg = ShardRaftConfig(bind, peers, data_dir, password, bind_address=bind)
+    # A group of one on a fresh loopback port is a new Raft address at every start: the membership
+    # its snapshot holds (the previous address) must not come back as a peer it waits for.
+    raft_cfg.membership_in_log = bool(settings.raft_bind)
     if peers:
         raft_cfg.election_min, raft_cfg.election_max = settings.raft_election_min, settings.raft_election_max
         raft_cfg.leader_fallback = settings.raft_leader_fallback
