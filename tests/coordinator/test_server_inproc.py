@@ -303,3 +303,21 @@ async def test_an_empty_tier1_release_escalates_to_a_drain(
     else:
         assert transfers()[0][3] == "adopting"
         assert await d.rebalance_inventory_once() == 0
+
+
+async def test_a_shard_without_an_address_gets_no_new_cluster(coord: tuple[CoordinatorDaemon, CoordinatorClient]) -> None:
+    """LookupCluster hands the shard's address to the operator: a shard that never reported one is
+    skipped by placement (and with no other shard there is nothing to place on)."""
+    _, c = coord
+    await c.call("ReportShard", pb.ShardReport(shard_id="noaddr", cycle=1))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await c.call("LookupCluster", pb.LookupClusterRequest(cluster_id="c-first"))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    await c.call("ReportShard", pb.ShardReport(shard_id="dialable", cycle=1, shard_address="127.0.0.1:7780"))
+    for i in range(20):
+        r = await c.call("LookupCluster", pb.LookupClusterRequest(cluster_id=f"c{i}"))
+        assert (r.shard_id, r.shard_address) == ("dialable", "127.0.0.1:7780")
+    # a later report without the address keeps the registered one
+    await c.call("ReportShard", pb.ShardReport(shard_id="dialable", cycle=2))
+    r = await c.call("LookupCluster", pb.LookupClusterRequest(cluster_id="c0"))
+    assert r.shard_address == "127.0.0.1:7780"

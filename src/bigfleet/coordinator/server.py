@@ -104,6 +104,12 @@ class CoordinatorConfig:
         return self.raft_advertise or _loopback_if_wildcard(self.raft_bind)
 
 
+def _dialable(st: FleetState, shard_ids: list[str]) -> list[str]:
+    """The shards an operator could dial: a shard that never reported its `shard_address` is no
+    placement target (its clusters would be told an empty address)."""
+    return [s for s in shard_ids if st.shards[s].address]
+
+
 def _loopback_if_wildcard(addr: str) -> str:
     host, _, port = addr.rpartition(":")
     if host in ("", "0.0.0.0", "::", "[::]"):
@@ -550,9 +556,6 @@ class CoordinatorService(pbg.CoordinatorServicer):
         d = self.d
         now = _now()
         entry = d.r().read(lambda st: st.shards.get(sid))
-        if entry is None and not request.shard_address:
-            # (a later report may leave it out: the address stays as registered)
-            await self._invalid(context, "shard_address: required in a shard's first report (operators dial it)")
         prev = d.reports.get(sid)
         # Reports can arrive out of order (retries); an older cycle of the same epoch updates nothing.
         in_order = prev is None or request.shard_epoch != prev.epoch or request.cycle >= prev.cycle
@@ -675,7 +678,7 @@ class CoordinatorService(pbg.CoordinatorServicer):
                 return found
             now = _now()
             down_ns = int(d.cfg.down_after * 1e9)
-            live, loads = d.r().read(lambda st: (st.live_shards(now, down_ns), dict(st.load)))
+            live, loads = d.r().read(lambda st: (_dialable(st, st.live_shards(now, down_ns)), dict(st.load)))
             target = place(cid, live, loads, d.cfg.load_factor)
             if target is None:
                 context.set_trailing_metadata(((RETRY_LATER_KEY, "no-live-shard"),))

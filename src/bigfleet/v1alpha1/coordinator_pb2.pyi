@@ -7,8 +7,9 @@ The coordinator holds slow, Raft-replicated state: shard membership,
 topology-domain → shard assignments and cluster → shard bindings. It is
 never on a shard's hot path. Instructions ride back on the heartbeat
 response and are fenced by (coordinator_term, sequence_number).
-Every RPC is served by the leader only; followers answer
-FAILED_PRECONDITION.
+Every RPC is served by the leader: a follower forwards it to the leader
+(ReportShard excepted), and where it cannot it answers FAILED_PRECONDITION
+with the leader's address in the trailing metadata `bigfleet-leader`.
 """
 
 from bigfleet.v1alpha1 import capacity_pb2 as _capacity_pb2
@@ -50,7 +51,9 @@ class ShardReport(_message.Message):
     timestamp_unix_nanos: _builtins.int
     shard_epoch: _builtins.int
     shard_address: _builtins.str
-    """Where operators and tools dial this shard (host:port)."""
+    """Where operators and tools dial this shard (host:port). Empty keeps the
+    registered address; a shard that never sent one gets no new clusters.
+    """
     @_builtins.property
     def summary(self) -> Global___ShardSummary: ...
     @_builtins.property

@@ -7,8 +7,9 @@ The coordinator holds slow, Raft-replicated state: shard membership,
 topology-domain → shard assignments and cluster → shard bindings. It is
 never on a shard's hot path. Instructions ride back on the heartbeat
 response and are fenced by (coordinator_term, sequence_number).
-Every RPC is served by the leader only; followers answer
-FAILED_PRECONDITION.
+Every RPC is served by the leader: a follower forwards it to the leader
+(ReportShard excepted), and where it cannot it answers FAILED_PRECONDITION
+with the leader's address in the trailing metadata `bigfleet-leader`.
 """
 
 from bigfleet.v1alpha1 import coordinator_pb2 as _coordinator_pb2

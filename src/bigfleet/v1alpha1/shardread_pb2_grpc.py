@@ -281,7 +281,9 @@ class ShardRead:
 
 class ShardAdminStub:
     """Python addition: the actuation switches of one shard (kill switch and
-    dry-run). Changes are in memory; a restart returns to the flags.
+    dry-run). A change is committed to the shard's replicated state: it survives
+    a restart and a failover (--paused / --dry-run set it again only when a
+    leader takes over with flags different from the last leader's).
     """
 
     def __init__(self, channel):
@@ -304,7 +306,9 @@ class ShardAdminStub:
 
 class ShardAdminServicer:
     """Python addition: the actuation switches of one shard (kill switch and
-    dry-run). Changes are in memory; a restart returns to the flags.
+    dry-run). A change is committed to the shard's replicated state: it survives
+    a restart and a failover (--paused / --dry-run set it again only when a
+    leader takes over with flags different from the last leader's).
     """
 
     def GetActuation(self, request, context):
@@ -342,7 +346,9 @@ def add_ShardAdminServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class ShardAdmin:
     """Python addition: the actuation switches of one shard (kill switch and
-    dry-run). Changes are in memory; a restart returns to the flags.
+    dry-run). A change is committed to the shard's replicated state: it survives
+    a restart and a failover (--paused / --dry-run set it again only when a
+    leader takes over with flags different from the last leader's).
     """
 
     @staticmethod

@@ -129,7 +129,9 @@ def add_ShardReadServicer_to_server(servicer: ShardReadServicer, server: _typing
 
 class ShardAdminStub:
     """Python addition: the actuation switches of one shard (kill switch and
-    dry-run). Changes are in memory; a restart returns to the flags.
+    dry-run). A change is committed to the shard's replicated state: it survives
+    a restart and a failover (--paused / --dry-run set it again only when a
+    leader takes over with flags different from the last leader's).
     """
 
     @_typing.overload
@@ -142,7 +144,9 @@ class ShardAdminStub:
 @_typing.type_check_only
 class ShardAdminAsyncStub(ShardAdminStub):
     """Python addition: the actuation switches of one shard (kill switch and
-    dry-run). Changes are in memory; a restart returns to the flags.
+    dry-run). A change is committed to the shard's replicated state: it survives
+    a restart and a failover (--paused / --dry-run set it again only when a
+    leader takes over with flags different from the last leader's).
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -151,7 +155,9 @@ class ShardAdminAsyncStub(ShardAdminStub):
 
 class ShardAdminServicer(metaclass=_abc_1.ABCMeta):
     """Python addition: the actuation switches of one shard (kill switch and
-    dry-run). Changes are in memory; a restart returns to the flags.
+    dry-run). A change is committed to the shard's replicated state: it survives
+    a restart and a failover (--paused / --dry-run set it again only when a
+    leader takes over with flags different from the last leader's).
     """
 
     @_abc_1.abstractmethod
