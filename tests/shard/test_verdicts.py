@@ -48,6 +48,10 @@ async def test_need_verdicts_on_the_wire_and_registration_timeouts() -> None:
             n = len(op.of("need_verdicts"))
             await shard.wait_cycles(8)
             assert len(op.of("need_verdicts")) == n
+            # A mid-stream Hello is answered as the first was: the verdicts come again.
+            await op.send(shard_pb2.OperatorMessage(hello=shard_pb2.Hello(cluster_id="c1")))
+            await until(lambda: len(op.of("need_verdicts")) > n, 10, "verdicts after a mid-stream Hello")
+            assert set(latest(op)) == {fp_ok, fp_bad}
             machine = next(u for u in op.node_updates() if u.state == S.MACHINE_STATE_CONFIGURED)
 
             # A new session gets the current verdicts at once.

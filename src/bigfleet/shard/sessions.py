@@ -450,11 +450,12 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
             elif kind == "hello":
                 # (legal mid-stream, but it cannot move the session to another cluster: say so
                 # instead of acking a switch that did not happen)
-                echo = "hello"
                 if msg.hello.cluster_id and msg.hello.cluster_id != session.cluster_id:
-                    echo = (f"hello-rejected: this session is for cluster {session.cluster_id[:128]!r}; "
-                            "open a new session for another cluster")
-                session.send(self._ack(echo))
+                    session.send(self._ack(f"hello-rejected: this session is for cluster {session.cluster_id[:128]!r}; "
+                                           "open a new session for another cluster"))
+                else:  # (as after the first Hello: the machines' states and the verdicts again)
+                    session.send(self._ack("hello"))
+                    self._resync(session)
 
     async def _rollup_worker(self, session: OperatorSession) -> None:
         while True:
