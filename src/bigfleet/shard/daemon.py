@@ -218,7 +218,9 @@ class ShardDaemon:
         self.term_source: TermSource | None = None  # the heartbeat loop's instruction gate, while one runs
         self.reconciled = self.reconciler.done_once
         self.last = CycleRecord()
-        self.cycles = 0
+        #: the shard cycle: the carried engine state's (replicated), so ShardRead, ShardAdmin and the
+        #: Session's NeedVerdicts give one number, and a restart or failover continues it
+        self.cycles = self.store.engine_state().cycle
         # Observers of each finished cycle (the dashboard's action log); called on the loop, must be cheap.
         self.cycle_observers = tuple(cycle_observers)
         self._trigger = asyncio.Event()
@@ -316,7 +318,7 @@ class ShardDaemon:
         self._last_compute = time.perf_counter() - t0
         self.metrics.phase_duration.labels("decide").observe(self._last_compute)
         self.store.save_engine_state(decision.state)
-        self.cycles += 1
+        self.cycles = decision.state.cycle
         self.metrics.cycles.inc()
         t1 = time.perf_counter()
         await self.dispatcher.dispatch(decision, out.suppressed_counts)
