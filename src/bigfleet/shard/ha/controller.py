@@ -254,7 +254,8 @@ class HAController:
         self._fenced_term = self.term
         self._stepping_down = asyncio.get_running_loop().create_task(self._step_down("fenced by provider"))
 
-    async def _step_down(self, why: str, drain_timeout: float = 1.0) -> None:
+    async def _step_down(self, why: str, drain_timeout: float = 1.0,
+                         tell_sessions: str = "shard replica stepped down; reconnect") -> None:
         d = self.daemon
         if d is None:
             self._stepping_down = None
@@ -269,7 +270,7 @@ class HAController:
             self._heartbeat.cancel()
             await asyncio.gather(self._heartbeat, return_exceptions=True)
             self._heartbeat = None
-        d.sessions.close_all(grpc.StatusCode.UNAVAILABLE, "shard replica stepped down; reconnect")
+        d.sessions.close_all(grpc.StatusCode.UNAVAILABLE, tell_sessions)
         await d.store.close()
         try:
             await d.stop(drain_timeout=drain_timeout)
@@ -283,7 +284,7 @@ class HAController:
 
     async def stop(self) -> None:
         self._stopping.set()
-        await self._step_down("shutting down", drain_timeout=5.0)
+        await self._step_down("shutting down", drain_timeout=5.0, tell_sessions="shard shutting down; reconnect")
 
     # -- follower answers -----------------------------------------------------------------------
 
