@@ -51,14 +51,14 @@ def test_a_port_in_use_is_a_clear_start_up_error(tmp_path: Path) -> None:
             "fake-provider --listen": _run(["fake-provider", "--listen", busy]),
             "coordinator --listen": _run(["coordinator", "--node-id", "n0", "--listen", busy, "--raft-bind",
                                           f"127.0.0.1:{free_port()}", "--data-dir", str(tmp_path / "c1")],
-                                         {"BIGFLEET_RAFT_PASSWORD": "pw"}),
+                                         {"BIGFLEET_RAFT_PASSWORD": "a-long-enough-password"}),
             "coordinator --raft-bind": _run(["coordinator", "--node-id", "n0", "--listen", f"127.0.0.1:{free_port()}",
                                              "--raft-bind", busy, "--data-dir", str(tmp_path / "c2")],
-                                            {"BIGFLEET_RAFT_PASSWORD": "pw"}),
+                                            {"BIGFLEET_RAFT_PASSWORD": "a-long-enough-password"}),
             "shard --raft-bind": _run(["shard", "--shard-id", "s1", "--listen", f"127.0.0.1:{free_port()}",
                                        "--provider", f"127.0.0.1:{free_port()}", "--data-dir", str(tmp_path / "s"),
                                        "--replica-id", "r0", "--raft-bind", busy, "--raft-peers",
-                                       f"127.0.0.1:{free_port()}", "--raft-password", "pw"]),
+                                       f"127.0.0.1:{free_port()}", "--raft-password", "a-long-enough-password"]),
         }
     for what, r in runs.items():
         out = r.stdout + r.stderr

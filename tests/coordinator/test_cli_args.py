@@ -15,8 +15,15 @@ def test_refuses_to_start_without_a_raft_password(monkeypatch: pytest.MonkeyPatc
     assert "Raft password is required" in capsys.readouterr().err
 
 
+def test_refuses_a_raft_password_shorter_than_16_characters(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    monkeypatch.setenv("BIGFLEET_RAFT_PASSWORD", "x" * 15)
+    assert main(["--data-dir", str(tmp_path)]) == 2
+    assert "shorter than 16 characters" in capsys.readouterr().err
+
+
 def test_partial_tls_flags_are_a_startup_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("BIGFLEET_RAFT_PASSWORD", "x")
+    monkeypatch.setenv("BIGFLEET_RAFT_PASSWORD", "x" * 16)
     with pytest.raises(SystemExit) as ei:
         main(["--data-dir", str(tmp_path), "--tls-cert", str(tmp_path / "c.pem")])
     assert ei.value.code == 2

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from bigfleet.observability import configure_logging, get_logger
 from bigfleet.raft import RaftSettingsError
+from bigfleet.security.raft import MIN_LENGTH as RAFT_PASSWORD_MIN_LENGTH
 
 
 def _csv(v: str) -> list[str]:
@@ -117,6 +118,10 @@ def main(argv: list[str]) -> int:
             "pysyncobj's transport is pickle, so an unauthenticated Raft port would run anyone's code",
             file=sys.stderr,
         )
+        return 2
+    if len(password) < RAFT_PASSWORD_MIN_LENGTH:
+        print(f"bigfleet coordinator: the Raft password is shorter than {RAFT_PASSWORD_MIN_LENGTH} characters "
+              "(docs/security.md, \"The Raft ports\")", file=sys.stderr)
         return 2
     configure_logging(args.log_level, args.log_format, component="coordinator")
     log = get_logger("coordinator")

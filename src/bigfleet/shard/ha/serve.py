@@ -21,6 +21,7 @@ from bigfleet.dashboard import DashboardServer
 from bigfleet.observability import get_logger, new_registry, start_metrics_server
 from bigfleet.raft import RaftSettingsError, timing_problems
 from bigfleet.security.limits import SESSION_STREAM_LIMIT
+from bigfleet.security.raft import MIN_LENGTH as RAFT_PASSWORD_MIN_LENGTH
 from bigfleet.security.roles import SHARD_POLICY, RoleInterceptor
 from bigfleet.security.tls import TLSConfig, add_port
 from bigfleet.shard.cli import build_server, daemon_config
@@ -58,6 +59,8 @@ def raft_member(settings: ShardSettings) -> tuple[str, list[str], str] | str:
     if not password:
         # pysyncobj's transport is pickle: without the password anyone reaching the port runs code.
         return f"a Raft password is required (--raft-password, {PASSWORD_ENV} or {SHARED_PASSWORD_ENV})"
+    if len(password) < RAFT_PASSWORD_MIN_LENGTH:
+        return f"the Raft password is shorter than {RAFT_PASSWORD_MIN_LENGTH} characters (docs/security.md)"
     peers = [p.strip() for p in (settings.raft_peers or "").split(",") if p.strip()]
     return settings.raft_bind, peers, password
 
