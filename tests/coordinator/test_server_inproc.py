@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -170,6 +171,7 @@ async def test_reports_soft_state_and_instruction_cycle(coord: tuple[Coordinator
     # SnapshotSave streams meta first, then data.
     frames = [f async for f in await c.stream("SnapshotSave", pb.SnapshotSaveRequest())]
     assert frames[0].WhichOneof("payload") == "meta_json" and all(f.WhichOneof("payload") == "data" for f in frames[1:])
+    assert json.loads(frames[0].meta_json)["Size"] == sum(len(f.data) for f in frames[1:]) > 0
 
 
 async def test_silent_shard_is_down_not_deleted(tmp_path: Path) -> None:

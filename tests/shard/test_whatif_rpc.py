@@ -149,3 +149,20 @@ async def test_plan_consolidation_on_a_copy() -> None:
         assert not d.view.inflight and d.cycles == 0
     finally:
         await d.stop(drain_timeout=0.2)
+
+
+async def test_every_read_refuses_a_malformed_cluster_filter(daemon: ShardDaemon) -> None:
+    """InspectNeeds and GetInventoryCounts check an optional cluster id as WhatIf does (they answered
+    an empty result for "bad id"); "" still means every cluster."""
+    svc = ShardReadServicer(daemon)
+    for call in (lambda c: _drain(svc.InspectNeeds(shardread_pb2.InspectNeedsRequest(cluster_id=c), Ctx())),
+                 lambda c: svc.GetInventoryCounts(shardread_pb2.InventoryCountsRequest(cluster_id=c), Ctx())):
+        with pytest.raises(Aborted) as exc:
+            await call("bad id")
+        assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(await _drain(svc.InspectNeeds(shardread_pb2.InspectNeedsRequest(), Ctx()))) == 1  # (the header)
+    assert (await svc.GetInventoryCounts(shardread_pb2.InventoryCountsRequest(), Ctx())).total == 3
+
+
+async def _drain(it: AsyncIterator[shardread_pb2.InspectNeedsResponse]) -> list[shardread_pb2.InspectNeedsResponse]:
+    return [r async for r in it]

@@ -861,8 +861,9 @@ class CoordinatorService(pbg.CoordinatorServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"snapshot: {exc}")
         if meta["Index"] <= 0:
             await context.abort(grpc.StatusCode.NOT_FOUND, "no snapshot yet")
-        yield pb.SnapshotSaveChunk(meta_json=json.dumps(meta, sort_keys=True).encode())
         data = json.dumps(state, sort_keys=True).encode()
+        meta["Size"] = len(data)  # (as upstream's SnapshotMeta: the bytes of state that follow)
+        yield pb.SnapshotSaveChunk(meta_json=json.dumps(meta, sort_keys=True).encode())
         for off in range(0, len(data), snap.CHUNK):
             yield pb.SnapshotSaveChunk(data=data[off : off + snap.CHUNK])
 

@@ -50,6 +50,7 @@ class ShardReadServicer(shardread_pb2_grpc.ShardReadServicer):
     ) -> AsyncIterator[shardread_pb2.InspectNeedsResponse]:
         if request.limit < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "limit must be >= 0")
+        await _check_cluster_filter(request.cluster_id, context)
         rec = self.d.last
         needs = [n for n in rec.needs if not request.cluster_id or n.cluster_id == request.cluster_id]
         yield shardread_pb2.InspectNeedsResponse(
@@ -79,6 +80,7 @@ class ShardReadServicer(shardread_pb2_grpc.ShardReadServicer):
     ) -> shardread_pb2.InventoryCounts:
         # From the view's kept counts and cluster index (this also backs the dashboard, polled every
         # few seconds on shards of 100 000s of machines): no provider record is parsed.
+        await _check_cluster_filter(request.cluster_id, context)
         per_state, bound, total, inflight = self.d.view.census(request.cluster_id)
         by_state = {S.Name(st): n for st, n in per_state.items()}  # type: ignore[arg-type]
         return shardread_pb2.InventoryCounts(
@@ -143,11 +145,7 @@ class ShardReadServicer(shardread_pb2_grpc.ShardReadServicer):
     ) -> shardread_pb2.PlanConsolidationResponse:
         """Consolidation's plan on a copy of this leader's state, as if it were on; acts on nothing."""
         d = self.d
-        if request.cluster_id:
-            try:
-                validate_cluster_id(request.cluster_id)
-            except ValidationError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await _check_cluster_filter(request.cluster_id, context)
         if not d.reconciled.is_set():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard has not read its inventory yet; retry")
         async with self._whatif:
@@ -307,3 +305,13 @@ class ShardAdminServicer(shardread_pb2_grpc.ShardAdminServicer):
         except RaftError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"actuation not changed: {exc}")
         return self._status()
+
+
+async def _check_cluster_filter(cluster_id: str, context: grpc.aio.ServicerContext) -> None:
+    """An optional cluster filter ("" = every cluster) must be an id a cluster could have: the same
+    INVALID_ARGUMENT on every ShardRead call, not an empty answer for a typo'd id."""
+    if cluster_id:
+        try:
+            validate_cluster_id(cluster_id)
+        except ValidationError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
