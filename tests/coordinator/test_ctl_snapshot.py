@@ -81,8 +81,8 @@ def test_ctl_commands_snapshot_and_restore(tmp_path: Path, capsys: pytest.Captur
         rc, out, _ = run(capsys, "transfers", "--coordinator", coord)
         assert rc == 0 and out.strip() == "(none)"
         rc, _, err = run(capsys, "transfers", "abort", "nope", "--coordinator", coord)
-        assert rc == 1 and "NOT_FOUND" in err
-        assert run(capsys, "shards", "remove", "nope", "--coordinator", coord)[0] == 1
+        assert rc == 2 and "NOT_FOUND" in err  # an unknown id is a usage error, as for the shard verbs
+        assert run(capsys, "shards", "remove", "nope", "--coordinator", coord)[0] == 2
 
         before = state_of(g, leader)
         archive = tmp_path / "snap.tar"

@@ -3,7 +3,9 @@
 Human tables by default, ``-o json|yaml`` for scripts. Every command talks to
 the coordinator leader: ``--coordinator`` takes one or more replica addresses
 and the client follows "not leader" hints, so pointing it at any replica works.
-Exit codes: 0 ok, 1 the call failed (unreachable, refused), 2 usage (bad flags, unknown shard or cluster).
+Exit codes: 0 ok, 1 the call failed (unreachable, refused), 2 usage (bad flags, unknown shard, cluster or
+transfer — NOT_FOUND —, a file that cannot be read or written). Output cut short by a closed pipe
+(``bigfleetctl clusters | head``) ends quietly with 141, as a process killed by SIGPIPE does.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import asyncio
 import datetime as dt
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,7 +49,18 @@ SHARD_VERBS = {"needs", "inventory", "shortfalls", "pause", "resume", "whatif", 
 
 
 class CtlError(Exception):
-    pass
+    """A usage error (exit code 2)."""
+
+
+async def _call_named(c: CoordinatorClient, method: str, req: Any) -> Any:
+    """``c.call`` for a request naming a shard or transfer: NOT_FOUND is a usage error (exit 2), as an
+    unknown shard or cluster is for the shard verbs; every other refusal stays a failed call (exit 1)."""
+    try:
+        return await c.call(method, req)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.NOT_FOUND:
+            raise CtlError(f"NOT_FOUND: {exc.details()}") from None
+        raise
 
 
 def _ts(ns: int) -> str:
@@ -80,7 +94,7 @@ async def cmd_shards(c: CoordinatorClient, args: argparse.Namespace) -> int:
     if args.action == "remove":
         if not args.shard_id:
             raise CtlError("shards remove needs a shard id")
-        await c.call("RemoveShard", pb.RemoveShardRequest(shard_id=args.shard_id))
+        await _call_named(c, "RemoveShard", pb.RemoveShardRequest(shard_id=args.shard_id))
         print(f"removed shard {args.shard_id} (its clusters re-bind on their next lookup)")
         return 0
     shards = (await c.call("ListShards", pb.ListShardsRequest())).shards
@@ -150,7 +164,7 @@ async def cmd_domains(c: CoordinatorClient, args: argparse.Namespace) -> int:
     if args.action == "assign":
         if not (args.key and args.value and args.shard):
             raise CtlError("domains assign needs --key, --value and --shard")
-        await c.call("AssignDomain", pb.AssignDomainRequest(topology_key=args.key, topology_value=args.value, shard_id=args.shard))
+        await _call_named(c, "AssignDomain", pb.AssignDomainRequest(topology_key=args.key, topology_value=args.value, shard_id=args.shard))
         print(f"assigned {args.key}={args.value} → {args.shard}")
         return 0
     if args.action == "unassign":
@@ -194,17 +208,28 @@ async def cmd_rebalance(c: CoordinatorClient, args: argparse.Namespace) -> int:
         f"plan {p.plan_id}: {len(p.moves)} of {p.total_clusters} clusters move ({frac:.1%}) over {p.live_shards} live shards\n"
         f"load: {loads}"
         + (f"\nstranded on down shards (not moved): {len(p.stranded_clusters)}" if p.stranded_clusters else "")
-        + f"\napply with: bigfleetctl rebalance --apply --plan-id {p.plan_id}"
+        + f"\napply with: {_apply_hint(args, p.plan_id)}"
     )
     _emit(args, data, ["CLUSTER", "FROM", "TO"], [[m.cluster_id, m.from_shard_id, m.to_shard_id] for m in p.moves], footer)
     return 0
+
+
+def _apply_hint(args: argparse.Namespace, plan_id: str) -> str:
+    """The command that applies this plan: the plan id is a digest of the moves, which depend on
+    --max-moves and --load-factor, so those set for planning (not at their defaults) are repeated."""
+    opts = ""
+    if args.max_moves:
+        opts += f" --max-moves {args.max_moves}"
+    if args.load_factor:
+        opts += f" --load-factor {args.load_factor!r}"
+    return f"bigfleetctl rebalance --apply{opts} --plan-id {plan_id}"
 
 
 async def cmd_transfers(c: CoordinatorClient, args: argparse.Namespace) -> int:
     if args.action == "abort":
         if not args.transfer_id:
             raise CtlError("transfers abort needs a transfer id")
-        t = (await c.call("AbortTransfer", pb.AbortTransferRequest(transfer_id=args.transfer_id))).transfer
+        t = (await _call_named(c, "AbortTransfer", pb.AbortTransferRequest(transfer_id=args.transfer_id))).transfer
         print(f"transfer {t.transfer_id}: {t.phase}" + (f" ({t.reason})" if t.reason else ""))
         return 0
     ts = (await c.call("ListTransfers", pb.ListTransfersRequest())).transfers
@@ -232,21 +257,38 @@ async def cmd_snapshot(c: CoordinatorClient, args: argparse.Namespace) -> int:
 
     if args.action != "save" or not args.file:
         raise CtlError("usage: bigfleetctl snapshot save FILE")
-    stream = await c.stream("SnapshotSave", pb.SnapshotSaveRequest())
-    meta_json: bytes | None = None
-    chunks: list[bytes] = []
-    async for frame in stream:
-        kind = frame.WhichOneof("payload")
+    path = Path(args.file)
+    # Check the destination before streaming the whole snapshot: not a directory, and the temporary
+    # file the archive is written to (then renamed over FILE) can be created. It is removed on any
+    # failure; after a successful rename it is gone already.
+    if path.is_dir():
+        raise CtlError(f"cannot write {path}: it is a directory")
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.open("wb").close()
+    except OSError as exc:
+        raise CtlError(f"cannot write {path}: {exc.strerror or exc}") from None
+    try:
+        stream = await c.stream("SnapshotSave", pb.SnapshotSaveRequest())
+        meta_json: bytes | None = None
+        chunks: list[bytes] = []
+        async for frame in stream:
+            kind = frame.WhichOneof("payload")
+            if meta_json is None:
+                if kind != "meta_json":
+                    raise CtlError("snapshot stream did not start with meta_json; refusing it")
+                meta_json = frame.meta_json
+            elif kind == "data":
+                chunks.append(frame.data)
         if meta_json is None:
-            if kind != "meta_json":
-                raise CtlError("snapshot stream did not start with meta_json; refusing it")
-            meta_json = frame.meta_json
-        elif kind == "data":
-            chunks.append(frame.data)
-    if meta_json is None:
-        raise CtlError("empty snapshot stream")
-    meta = write_archive_from_frames(Path(args.file), meta_json, b"".join(chunks))
-    print(f"saved snapshot index={meta.get('Index')} term={meta.get('Term')} to {args.file}")
+            raise CtlError("empty snapshot stream")
+        try:
+            meta = write_archive_from_frames(path, meta_json, b"".join(chunks))
+        except OSError as exc:
+            raise CtlError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    print(f"saved snapshot index={meta.get('Index')} term={meta.get('Term')} to {path}")
     return 0
 
 
@@ -344,6 +386,23 @@ def _explain(exc: BaseException, addrs: list[str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+    except BrokenPipeError:
+        # The reader went away (`bigfleetctl clusters | head`): stop quietly. Point stdout at devnull
+        # so the interpreter's final flush of what is still buffered does not fail again.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 141
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if not args_list or args_list[0] in ("-h", "--help", "help"):

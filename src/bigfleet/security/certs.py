@@ -252,14 +252,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.days <= 0:
         print("certs: --days must be positive", file=sys.stderr)
         return 2
-    written = make_local_pki(
-        ns.out,
-        clusters=clusters,
-        shards=shards,
-        hosts=_split(ns.host) or DEFAULT_HOSTS,
-        days=ns.days,
-        reuse_ca=not ns.new_ca,
-    )
+    try:
+        written = make_local_pki(
+            ns.out,
+            clusters=clusters,
+            shards=shards,
+            hosts=_split(ns.host) or DEFAULT_HOSTS,
+            days=ns.days,
+            reuse_ca=not ns.new_ca,
+        )
+    except OSError as exc:  # --out not creatable or writable, an unreadable CA in it: a usage error
+        print(f"certs: cannot write {exc.filename or ns.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     for name in sorted(written):
         print(written[name])
     return 0
