@@ -275,7 +275,9 @@ async def test_an_empty_tier1_release_escalates_to_a_drain(
     req = capacity_pb2.NodeSelectorRequirement(
         key="node.kubernetes.io/instance-type", operator=capacity_pb2.NodeSelectorRequirement.OPERATOR_IN, values=["gpu-8"]
     )
-    short = pb.Shortfall(requirements=[req], deficit=provider_pb2.Resources(resources={"gpu": "8"}), priority=2_000_000, age_cycles=20)
+    unit = provider_pb2.Resources(resources={"gpu": "8"})
+    short = pb.Shortfall(requirements=[req], deficit=provider_pb2.Resources(resources={"gpu": "8"}), priority=2_000_000,
+                         age_cycles=20, min_unit=unit)
     lo_summary = pb.ShardSummary(total_machines=40, free_machines=3)
     await c.call("ReportShard", pb.ShardReport(shard_id="lo", cycle=1, summary=lo_summary))
     await c.call("ReportShard", pb.ShardReport(shard_id="hi", cycle=1, summary=pb.ShardSummary(total_machines=4), shortfalls=[short]))
@@ -291,6 +293,7 @@ async def test_an_empty_tier1_release_escalates_to_a_drain(
     assert transfers() == [("inventory", "lo", "hi", "releasing", 2_000_000)]
     [rel] = (await c.call("ReportShard", pb.ShardReport(shard_id="lo", cycle=2, summary=lo_summary))).instructions
     assert rel.WhichOneof("payload") == "transfer_ownership"
+    assert rel.transfer_ownership.min_unit == unit  # the donor picks only machines that hold one
     ack = pb.InstructAck(instruction_id=rel.instruction_id, outcome=pb.InstructAck.OUTCOME_ACCEPTED, machine_ids=released)
     await c.call("ReportShard", pb.ShardReport(shard_id="lo", cycle=3, summary=lo_summary, instruction_acks=[ack]))
     if not released:
@@ -300,6 +303,7 @@ async def test_an_empty_tier1_release_escalates_to_a_drain(
         [drain] = (await c.call("ReportShard", pb.ShardReport(shard_id="lo", cycle=4, summary=lo_summary))).instructions
         assert drain.cross_shard_drain.preemptor_priority == 2_000_000
         assert list(drain.cross_shard_drain.requirements) == [req]
+        assert drain.cross_shard_drain.min_unit == unit
         # The drain is in flight: no third transfer is started beside it.
         assert await d.rebalance_inventory_once() == 0
     else:

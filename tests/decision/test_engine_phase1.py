@@ -163,6 +163,9 @@ def test_18_occ_equivalents() -> None:
     assert [a.machine_id for a in d.actions] == ["x1"]
     d = run([need("a", cpu(8), p, min_unit=four)], [machine("x", res=four)])
     assert unsat(d) == [("a", cpu(4))]
+    assert d.shortfalls[0].min_unit == four  # what cross-shard rebalancing moves must hold one
+    d = run([need("a", cpu(8), p, min_unit=four), need("b", cpu(8), p, min_unit=cpu(2, 8))], [])
+    assert d.shortfalls[0].min_unit == cpu(4, 8)  # summed over clusters: the per-dimension max
     d = run([need("a", four, profile(100, reqs=[]), min_unit=four), need("b", four, profile(500, reqs=[]), min_unit=four)],
             [machine("x", res=four)])
     assert [a.cluster_id for a in d.actions] == ["b"]

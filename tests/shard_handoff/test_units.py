@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from bigfleet.machine import Assignment, Machine, MachineState
+from bigfleet.machine.record import INSTANCE_TYPE_LABEL
 from bigfleet.needs import Resources
 from bigfleet.shard.ha.state import HAState, ReleasedCluster
 from bigfleet.shard.handoff import (
@@ -26,7 +27,8 @@ ZONE = "topology.kubernetes.io/zone"
 
 
 def rec(mid: str, state: int = S.MACHINE_STATE_IDLE, zone: str = "a", cpu: str = "4", cluster: str = "",
-        priority: int = 0, penalty: float = 0.0, owner: str = "", price: float = 1.0) -> provider_pb2.Machine:
+        priority: int = 0, penalty: float = 0.0, owner: str = "", price: float = 1.0, alloc: str = "",
+        itype: str = "m5") -> provider_pb2.Machine:
     md: dict[str, str] = {}
     if owner:  # the owner mark exists only on bound machines (cleared with the binding)
         cluster = cluster or "k"
@@ -36,8 +38,9 @@ def rec(mid: str, state: int = S.MACHINE_STATE_IDLE, zone: str = "a", cpu: str =
     if owner:
         md[OWNER_KEY] = owner
     return provider_pb2.Machine(
-        id=mid, state=state, instance_type="m5", zone=zone, price_per_hour=price, labels={ZONE: zone},  # type: ignore[arg-type]
+        id=mid, state=state, instance_type=itype, zone=zone, price_per_hour=price, labels={ZONE: zone},  # type: ignore[arg-type]
         resources=provider_pb2.Resources(resources={"cpu": cpu}), cluster=cluster, shard_metadata=md,
+        allocatable=provider_pb2.Resources(resources={"cpu": alloc} if alloc else {}),
         host=provider_pb2.HostRef(provider="fake", ref=mid) if state not in (S.MACHINE_STATE_SPECULATIVE,) else None,
     )
 
@@ -49,6 +52,11 @@ def m(*a: object, **kw: object) -> Machine:
 def zone_is(z: str) -> list[capacity_pb2.NodeSelectorRequirement]:
     return [capacity_pb2.NodeSelectorRequirement(key=ZONE, operator=capacity_pb2.NodeSelectorRequirement.OPERATOR_IN,
                                                  values=[z])]
+
+
+def type_is(t: str) -> list[capacity_pb2.NodeSelectorRequirement]:
+    return [capacity_pb2.NodeSelectorRequirement(key=INSTANCE_TYPE_LABEL,
+                                                 operator=capacity_pb2.NodeSelectorRequirement.OPERATOR_IN, values=[t])]
 
 
 def state(epoch: int = 1) -> HAState:
@@ -134,6 +142,42 @@ def test_drain_victims_lower_priority_lowest_score_first() -> None:
     assert pick_drain_victims(ms, set(), 50, [], Resources.parse({"cpu": "2"})) == ["v2"]
     assert pick_drain_victims(ms, set(), 10, [], Resources.parse({"cpu": "2"})) == []  # strictly lower only
     assert MachineState.CONFIGURED in {x.state for x in ms}
+
+
+CPU8 = Resources.parse({"cpu": "8"})
+
+
+def busy(mid: str, cpu: str, alloc: str, itype: str = "m5", penalty: float = 0.0) -> Machine:
+    return m(mid, S.MACHINE_STATE_CONFIGURED, cluster="k", priority=100, cpu=cpu, alloc=alloc, itype=itype,
+             penalty=penalty)
+
+
+def test_drain_victims_must_serve_the_need_allocatable_and_min_unit() -> None:
+    """Found by the topology test: an 8-vCPU machine (7.5 allocatable) was drained for a priority-5000
+    need of 8-CPU pods; it could not host one, the need stayed unmet and another drain followed."""
+    small = [busy(f"s{i}", "8", "7500m") for i in range(4)]
+    assert pick_drain_victims(small, set(), 5000, [], CPU8, CPU8) == []
+    big = busy("big", "16", "15500m", penalty=9.0)  # drained last by score, but the only one that fits
+    assert pick_drain_victims([*small, big], set(), 5000, [], CPU8, CPU8) == ["big"]
+    # whole units: the second 8-CPU pod does not fit in big's remaining 7.5
+    big2 = busy("big2", "16", "15500m", penalty=10.0)
+    assert pick_drain_victims([*small, big, big2], set(), 5000, [], Resources.parse({"cpu": "16"}), CPU8) == \
+        ["big", "big2"]
+    # the requirements are matched against the instance type too
+    assert pick_drain_victims([*small, big], set(), 5000, type_is("c5"), CPU8, CPU8) == []
+    assert pick_drain_victims([*small, busy("c", "16", "15500m", "c5")], set(), 5000, type_is("c5"), CPU8,
+                              CPU8) == ["c"]
+    # no min unit: allocatable is what counts, not raw capacity
+    assert pick_drain_victims(small, set(), 5000, [], CPU8) == ["s0", "s1"]
+
+
+def test_donations_must_serve_the_need_allocatable_and_min_unit() -> None:
+    small = [m(f"s{i}", cpu="8", alloc="7500m") for i in range(3)]
+    assert pick_donations(small, set(), [], CPU8, CPU8) == []
+    big = m("big", cpu="16", alloc="15500m", price=5.0)
+    assert pick_donations([*small, big], set(), [], CPU8, CPU8) == ["big"]
+    assert pick_donations([*small, big], set(), type_is("c5"), CPU8, CPU8) == []
+    assert pick_donations(small, set(), [], CPU8) == ["s0", "s1"]
 
 
 async def test_a_paused_shard_refuses_a_cross_shard_drain() -> None:

@@ -42,6 +42,8 @@ class ShortfallView:
     age_cycles: int
     requirements: list[dict[str, Any]] = field(default_factory=list)
     deficit: dict[str, str] = field(default_factory=dict)
+    # The need's min unit: the donor moves or drains only machines whose allocatable holds one.
+    min_unit: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class TransferIntent:
     # The donor's free-machine count this plan acted on (the baseline for
     # forgetting a fruitless attempt once the donor has more free machines).
     donor_free: int = -1
+    min_unit: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,8 @@ def plan_inventory(
         if donors:
             d = max(donors, key=lambda d: (d.free_machines, d.shard_id))
             out.append(
-                TransferIntent(KIND_INVENTORY, d.shard_id, rid, sf.priority, sf.requirements, sf.deficit, d.free_machines)
+                TransferIntent(KIND_INVENTORY, d.shard_id, rid, sf.priority, sf.requirements, sf.deficit, d.free_machines,
+                               sf.min_unit)
             )
             taken.update((d.shard_id, rid))
             continue
@@ -170,7 +174,8 @@ def plan_inventory(
             if drainers:
                 d = max(drainers, key=lambda d: (d.total_machines, d.shard_id))
                 out.append(
-                    TransferIntent(KIND_DRAIN, d.shard_id, rid, sf.priority, sf.requirements, sf.deficit, d.free_machines)
+                    TransferIntent(KIND_DRAIN, d.shard_id, rid, sf.priority, sf.requirements, sf.deficit,
+                                   d.free_machines, sf.min_unit)
                 )
                 taken.update((d.shard_id, rid))
     return out

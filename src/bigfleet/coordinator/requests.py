@@ -93,6 +93,7 @@ def _check_shortfall(s: pb.Shortfall, field: str) -> None:
     try:
         requirements_from_proto(s.requirements, f"{field}.requirements")
         Resources.parse(s.deficit.resources, f"{field}.deficit")
+        Resources.parse(s.min_unit.resources, f"{field}.min_unit")
     except ValidationError as exc:
         raise BadRequest(str(exc)) from None
     if s.age_cycles < 0:

@@ -447,7 +447,8 @@ class CoordinatorDaemon:
                     rep.summary.free_machines,
                     rep.summary.total_machines,
                     [
-                        ShortfallView(s.priority, s.age_cycles, requirements_to_json(s.requirements), resources_to_json(s.deficit))
+                        ShortfallView(s.priority, s.age_cycles, requirements_to_json(s.requirements),
+                                      resources_to_json(s.deficit), resources_to_json(s.min_unit))
                         for s in rep.shortfalls
                     ],
                 )
@@ -468,6 +469,7 @@ class CoordinatorDaemon:
                 "to": it.recipient,
                 "requirements": it.requirements,
                 "deficit": it.deficit,
+                "min_unit": it.min_unit,
                 "preemptor_priority": it.priority,
                 "donor_free": it.donor_free,
                 "now": now,

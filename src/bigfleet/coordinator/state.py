@@ -505,7 +505,9 @@ def _start_transfer(st: FleetState, cmd: dict[str, Any]) -> dict[str, Any]:
         donor_free=int(cmd.get("donor_free", -1)),
     )
     st.transfers[tid] = t
-    common = {"to_shard_id": to, "transfer_id": tid, "requirements": t.requirements, "deficit": t.deficit}
+    # (the min unit travels in the instruction only: the Transfer record does not need it)
+    common = {"to_shard_id": to, "transfer_id": tid, "requirements": t.requirements, "deficit": t.deficit,
+              "min_unit": dict(cmd.get("min_unit", {}))}
     if kind == KIND_INVENTORY:
         payload: dict[str, Any] = {"kind": "transfer_ownership", "machine_ids": [], "from_shard_id": frm, **common}
     else:

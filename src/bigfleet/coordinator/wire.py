@@ -67,6 +67,7 @@ def instruction_to_proto(ins: Instruction, term: int) -> coordinator_pb2.Coordin
                 transfer_id=p.get("transfer_id", ""),
                 requirements=requirements_from_json(p.get("requirements", [])),
                 deficit=provider_pb2.Resources(resources=dict(p.get("deficit", {}))),
+                min_unit=provider_pb2.Resources(resources=dict(p.get("min_unit", {}))),
             )
         )
     elif kind == "cross_shard_drain":
@@ -78,6 +79,7 @@ def instruction_to_proto(ins: Instruction, term: int) -> coordinator_pb2.Coordin
                 transfer_id=p.get("transfer_id", ""),
                 requirements=requirements_from_json(p.get("requirements", [])),
                 deficit=provider_pb2.Resources(resources=dict(p.get("deficit", {}))),
+                min_unit=provider_pb2.Resources(resources=dict(p.get("min_unit", {}))),
             )
         )
     elif kind == "reassign_speculative":

@@ -12,8 +12,11 @@ import heapq
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import repeat
+from functools import reduce
+from itertools import chain, repeat
 from operator import add, attrgetter, itemgetter, sub
+
+from bigfleet.needs import EMPTY_RESOURCES, Resources
 
 from .scratch import CycleScratch, NeedRow
 from .types import EngineConfig, EngineState, Shortfall
@@ -267,4 +270,10 @@ def _shortfall(cy: CycleScratch, fp: str, rows: list[NeedRow], group: _Group | N
         reason=unmet_reason(cy, head, True),
         clusters=tuple(clusters),
         escalated=age > config.escalation_after_cycles,
+        min_unit=_min_unit(chain(rows, group.heads.values() if group is not None else ())),
     )
+
+
+def _min_unit(rows: Iterable[NeedRow]) -> Resources:
+    """The per-dimension max of the rows' min units (one row per cluster of the fingerprint)."""
+    return reduce(Resources.max, {n.need.min_unit for n in rows}, EMPTY_RESOURCES)

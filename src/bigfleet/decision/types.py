@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from bigfleet.needs import Requirement, Resources
+from bigfleet.needs import EMPTY_RESOURCES, Requirement, Resources
 
 # --------------------------------------------------------------------------------------------
 # Configuration
@@ -261,6 +261,9 @@ class Shortfall:
     clusters: tuple[str, ...]
     #: age exceeds `EngineConfig.escalation_after_cycles`
     escalated: bool = False
+    #: per-dimension max of the summed needs' min units: a machine serves the shortfall only if its
+    #: allocatable holds one (what cross-shard rebalancing moves or drains for it)
+    min_unit: Resources = EMPTY_RESOURCES
 
 
 @dataclass(frozen=True)

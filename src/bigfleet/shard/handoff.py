@@ -40,8 +40,7 @@ import grpc
 
 from bigfleet.coordclient.client import BaseInstructionHandler
 from bigfleet.machine import Machine, MachineState
-from bigfleet.needs import Resources
-from bigfleet.needs.requirements import matches_all
+from bigfleet.needs import EMPTY_RESOURCES, Resources
 from bigfleet.observability import get_logger
 from bigfleet.shard.budgets import Candidate
 from bigfleet.shard.ha.node import ShardLog
@@ -95,24 +94,35 @@ def load_legacy_ledger(path: Path) -> Ledger | None:
     return led
 
 
-def _selector(reqs: Sequence[capacity_pb2.NodeSelectorRequirement]) -> Callable[[Machine], bool]:
+def _serves(reqs: Sequence[capacity_pb2.NodeSelectorRequirement], unit: Resources) -> Callable[[Machine], bool]:
+    """Whether a machine can serve the need: it matches the requirements (instance type and zone
+    included) and its allocatable holds at least one min unit."""
     parsed = [requirement_from_proto(r, "requirements") for r in reqs]
-    return lambda m: matches_all(parsed, m.labels)
+    return lambda m: m.matches(parsed) and m.effective_allocatable.covers(unit)
 
 
-def _deficit(pb: provider_pb2.Resources) -> Resources:
-    return Resources.parse(dict(pb.resources), "deficit") if pb.resources else Resources()
+def _resources(pb: provider_pb2.Resources, field: str) -> Resources:
+    return Resources.parse(dict(pb.resources), field) if pb.resources else Resources()
 
 
-def _cover(candidates: Iterable[Machine], deficit: Resources, limit: int) -> list[str]:
-    """Take candidates in order until their resources cover ``deficit`` (one machine when it is empty)."""
+def _credit(m: Machine, unit: Resources) -> Resources:
+    """What ``m`` serves of the need: its allocatable, in whole min units when the need has one."""
+    alloc = m.effective_allocatable
+    if not unit:
+        return alloc
+    rest = Resources((n, v) for n, v in alloc.items() if n not in unit)
+    return unit.scale(alloc.times_fits(unit)) + rest
+
+
+def _cover(candidates: Iterable[Machine], deficit: Resources, unit: Resources, limit: int) -> list[str]:
+    """Take candidates in order until what they serve covers ``deficit`` (one machine when it is empty)."""
     out: list[str] = []
     total = Resources()
     for m in candidates:
         if len(out) >= limit:
             break
         out.append(m.id)
-        total = total + m.resources
+        total = total + _credit(m, unit)
         if not deficit.items() or total.covers(deficit):
             break
     return out
@@ -120,13 +130,13 @@ def _cover(candidates: Iterable[Machine], deficit: Resources, limit: int) -> lis
 
 def pick_donations(machines: Iterable[Machine], busy: frozenset[str] | set[str],
                    reqs: Sequence[capacity_pb2.NodeSelectorRequirement], deficit: Resources,
-                   limit: int = 256) -> list[str]:
-    """Donor side of a tier-1 transfer: idle machines first, then speculative slots, matching the
-    selector, cheapest first, until the deficit is covered."""
-    ok = _selector(reqs)
+                   min_unit: Resources = EMPTY_RESOURCES, limit: int = 256) -> list[str]:
+    """Donor side of a tier-1 transfer: idle machines first, then speculative slots, that can serve
+    the need (:func:`_serves`), cheapest first, until the deficit is covered."""
+    ok = _serves(reqs, min_unit)
     free = [m for m in machines if m.id not in busy and m.state in (MachineState.IDLE, MachineState.SPECULATIVE) and ok(m)]
     free.sort(key=lambda m: (m.state is not MachineState.IDLE, m.shape.price_per_hour, m.id))
-    return _cover(free, deficit, limit)
+    return _cover(free, deficit, min_unit, limit)
 
 
 def victim_score(m: Machine) -> tuple[float, int, str]:
@@ -137,13 +147,14 @@ def victim_score(m: Machine) -> tuple[float, int, str]:
 
 def pick_drain_victims(machines: Iterable[Machine], busy: frozenset[str] | set[str], preemptor_priority: int,
                        reqs: Sequence[capacity_pb2.NodeSelectorRequirement], deficit: Resources,
-                       limit: int = 64) -> list[str]:
-    """Tier 2: configured machines of strictly lower priority matching the selector, lowest score first."""
-    ok = _selector(reqs)
+                       min_unit: Resources = EMPTY_RESOURCES, limit: int = 64) -> list[str]:
+    """Tier 2: configured machines of strictly lower priority that can serve the need (:func:`_serves`),
+    lowest score first. None qualifies: nothing is drained."""
+    ok = _serves(reqs, min_unit)
     cands = [m for m in machines if m.id not in busy and m.state is MachineState.CONFIGURED
              and m.assignment.priority < preemptor_priority and ok(m)]
     cands.sort(key=victim_score)
-    return _cover(cands, deficit, limit)
+    return _cover(cands, deficit, min_unit, limit)
 
 
 # --------------------------------------------------------------------------- the shell
@@ -339,7 +350,7 @@ class ShardHandoff(BaseInstructionHandler):
             d = self.daemon
             await asyncio.wait_for(d.reconciled.wait(), self.settle_timeout)
             ids = pick_donations(d.view.machines(), set(d.view.inflight) | d.frozen_machines, msg.requirements,
-                                 _deficit(msg.deficit))
+                                 _resources(msg.deficit, "deficit"), _resources(msg.min_unit, "min_unit"))
             if ids:
                 ids = list(self._committed(await self.log.release_machines(tuple(ids), key, self.epoch),
                                            "release_inventory"))
@@ -372,7 +383,8 @@ class ShardHandoff(BaseInstructionHandler):
             ids = [m for m in msg.machine_ids if d.view.get(m) is not None]
         else:
             ids = pick_drain_victims(d.view.machines(), set(d.view.inflight) | d.frozen_machines,
-                                     msg.preemptor_priority, msg.requirements, _deficit(msg.deficit))
+                                     msg.preemptor_priority, msg.requirements, _resources(msg.deficit, "deficit"),
+                                     _resources(msg.min_unit, "min_unit"))
         # A cross-shard preemption is a disruption like any other: it fits the victims' budgets or waits.
         owners = {mid: (m.cluster if (m := d.view.machine(mid)) is not None else "") for mid in ids}
         allowed = await d.budgets.admit([Candidate(owners[mid], mid, "preempt") for mid in ids])

@@ -277,6 +277,7 @@ def shortfalls_to_proto(shortfalls: object) -> list[coordinator_pb2.Shortfall]:
                 priority=sf.priority,
                 age_cycles=sf.age_cycles,
                 interruption_penalty_bucket=int(sf.interruption_bucket),  # type: ignore[arg-type]
+                min_unit=provider_pb2.Resources(resources=sf.min_unit.to_wire()),
             )
         )
     return out

@@ -172,6 +172,7 @@ class Shortfall(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     AGE_CYCLES_FIELD_NUMBER: _builtins.int
     INTERRUPTION_PENALTY_BUCKET_FIELD_NUMBER: _builtins.int
+    MIN_UNIT_FIELD_NUMBER: _builtins.int
     priority: _builtins.int
     age_cycles: _builtins.int
     """Consecutive cycles unresolved; above 5 is an escalation."""
@@ -182,6 +183,13 @@ class Shortfall(_message.Message):
     def deficit(self) -> _provider_pb2.Resources:
         """Unmet demand as a resource vector."""
 
+    @_builtins.property
+    def min_unit(self) -> _provider_pb2.Resources:
+        """The need's min unit (per-dimension max over the needs summed here):
+        a machine serves the shortfall only if its allocatable holds one.
+        Empty: any matching machine.
+        """
+
     def __init__(
         self,
         *,
@@ -190,10 +198,11 @@ class Shortfall(_message.Message):
         priority: _builtins.int = ...,
         age_cycles: _builtins.int = ...,
         interruption_penalty_bucket: _capacity_pb2.PenaltyBucket.ValueType = ...,
+        min_unit: _provider_pb2.Resources | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["deficit", b"deficit"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deficit", b"deficit", "min_unit", b"min_unit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_cycles", b"age_cycles", "deficit", b"deficit", "interruption_penalty_bucket", b"interruption_penalty_bucket", "priority", b"priority", "requirements", b"requirements"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_cycles", b"age_cycles", "deficit", b"deficit", "interruption_penalty_bucket", b"interruption_penalty_bucket", "min_unit", b"min_unit", "priority", b"priority", "requirements", b"requirements"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -367,6 +376,7 @@ class CrossShardDrain(_message.Message):
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
     REQUIREMENTS_FIELD_NUMBER: _builtins.int
     DEFICIT_FIELD_NUMBER: _builtins.int
+    MIN_UNIT_FIELD_NUMBER: _builtins.int
     preemptor_priority: _builtins.int
     to_shard_id: _builtins.str
     """Additions: when machine_ids is empty the donor chooses victims of
@@ -381,6 +391,12 @@ class CrossShardDrain(_message.Message):
     def requirements(self) -> _containers.RepeatedCompositeFieldContainer[_capacity_pb2.NodeSelectorRequirement]: ...
     @_builtins.property
     def deficit(self) -> _provider_pb2.Resources: ...
+    @_builtins.property
+    def min_unit(self) -> _provider_pb2.Resources:
+        """The shortfall's min unit: only machines whose allocatable holds one are
+        chosen, and each counts toward `deficit` in whole units.
+        """
+
     def __init__(
         self,
         *,
@@ -390,10 +406,11 @@ class CrossShardDrain(_message.Message):
         transfer_id: _builtins.str = ...,
         requirements: _abc.Iterable[_capacity_pb2.NodeSelectorRequirement] | None = ...,
         deficit: _provider_pb2.Resources | None = ...,
+        min_unit: _provider_pb2.Resources | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["deficit", b"deficit"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deficit", b"deficit", "min_unit", b"min_unit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deficit", b"deficit", "machine_ids", b"machine_ids", "preemptor_priority", b"preemptor_priority", "requirements", b"requirements", "to_shard_id", b"to_shard_id", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deficit", b"deficit", "machine_ids", b"machine_ids", "min_unit", b"min_unit", "preemptor_priority", b"preemptor_priority", "requirements", b"requirements", "to_shard_id", b"to_shard_id", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -411,6 +428,7 @@ class TransferOwnership(_message.Message):
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
     REQUIREMENTS_FIELD_NUMBER: _builtins.int
     DEFICIT_FIELD_NUMBER: _builtins.int
+    MIN_UNIT_FIELD_NUMBER: _builtins.int
     from_shard_id: _builtins.str
     to_shard_id: _builtins.str
     transfer_id: _builtins.str
@@ -426,6 +444,10 @@ class TransferOwnership(_message.Message):
     def requirements(self) -> _containers.RepeatedCompositeFieldContainer[_capacity_pb2.NodeSelectorRequirement]: ...
     @_builtins.property
     def deficit(self) -> _provider_pb2.Resources: ...
+    @_builtins.property
+    def min_unit(self) -> _provider_pb2.Resources:
+        """As in CrossShardDrain."""
+
     def __init__(
         self,
         *,
@@ -435,10 +457,11 @@ class TransferOwnership(_message.Message):
         transfer_id: _builtins.str = ...,
         requirements: _abc.Iterable[_capacity_pb2.NodeSelectorRequirement] | None = ...,
         deficit: _provider_pb2.Resources | None = ...,
+        min_unit: _provider_pb2.Resources | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["deficit", b"deficit"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deficit", b"deficit", "min_unit", b"min_unit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deficit", b"deficit", "from_shard_id", b"from_shard_id", "machine_ids", b"machine_ids", "requirements", b"requirements", "to_shard_id", b"to_shard_id", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deficit", b"deficit", "from_shard_id", b"from_shard_id", "machine_ids", b"machine_ids", "min_unit", b"min_unit", "requirements", b"requirements", "to_shard_id", b"to_shard_id", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
