@@ -279,6 +279,60 @@ async def test_a_session_whose_status_was_lost_asks_again_at_once(kube: KubeTest
         await other.stop()
 
 
+async def test_a_dead_redirect_target_falls_back_to_the_configured_address(kube: KubeTestServer, api: Any,
+                                                                         shard: FakeShard) -> None:
+    """--shard-addr names a follower, whose redirect leads to the leader. The leader is killed and the
+    follower is elected: the operator must not redial the dead leader forever, but go back to the
+    address it was given."""
+    leader = await FakeShard().start()
+    try:
+        shard.refuse_with_redirect = leader.target
+        op = make_op(api, shard)
+        async with running(op):
+            await eventually(lambda: leader.rollups, timeout=10, what="session on the redirect target")
+            await leader.stop()  # kill -9 of the leader
+            shard.refuse_with_redirect = ""  # the configured replica leads now
+            await eventually(lambda: "c1" in shard.conns and shard.rollups, timeout=10,
+                             what="session back on the configured address")
+    finally:
+        await leader.stop()
+
+
+async def test_a_redirect_back_to_a_former_session_target_is_followed(kube: KubeTestServer, api: Any,
+                                                                     shard: FakeShard) -> None:
+    """After falling back to the configured address, its redirect to the leader the operator had a
+    session on before (re-elected once it restarted) is followed, not ignored."""
+    leader = await FakeShard().start()
+    try:
+        shard.refuse_with_redirect = leader.target
+        op = make_op(api, shard)
+        async with running(op):
+            await eventually(lambda: leader.rollups, timeout=10, what="session on the redirect target")
+            port = leader.port
+            await leader.stop()
+            hellos = len(shard.hellos)
+            await eventually(lambda: len(shard.hellos) > hellos, timeout=10, what="fallback to the configured address")
+            leader = await FakeShard(port).start()  # restarted, and leading again
+            await eventually(lambda: leader.rollups, timeout=10, what="session on the restarted leader")
+    finally:
+        await leader.stop()
+
+
+def test_static_resolver_keeps_a_redirect_until_it_fails() -> None:
+    from bigfleet.operator.session import StaticResolver
+
+    r = StaticResolver("follower:1")
+    r.redirect("leader:1")
+    assert asyncio.run(r.resolve()) == "leader:1"
+    assert asyncio.run(r.resolve()) == "leader:1"  # a dropped session redials the leader directly
+    r.failed("follower:1")
+    assert asyncio.run(r.resolve()) == "leader:1"
+    r.failed("leader:1")
+    assert asyncio.run(r.resolve()) == "follower:1"
+    r.redirect("follower:1")
+    assert asyncio.run(r.resolve()) == "follower:1"
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_backoff_doubles_caps_and_jitters(seed: int) -> None:
     import random

@@ -41,6 +41,9 @@ class RotatingResolver:
         self.redirects.append(target)
         self.override = target
 
+    def failed(self, target: str) -> None:
+        return None  # a redirect is used once already
+
 
 class Handlers:
     def bootstrap(self, req: shard_pb2.BootstrapRequest) -> shard_pb2.BootstrapBlobResponse:

@@ -109,6 +109,9 @@ class CoordinatorResolver:
     def redirect(self, target: str) -> None:
         self._override = target
 
+    def failed(self, target: str) -> None:
+        """Nothing to forget: a redirect is used once, and every other attempt looks up again."""
+
     async def lookup(self) -> str | None:
         # A follower coordinator forwards the lookup to its leader. One that does not (no leader
         # reachable from it, or an older release) names the leader in its refusal; that address

@@ -8,8 +8,10 @@ roll-up at once and then every interval. Any failure ends the connection;
 the client redials with jittered exponential backoff (500 ms doubling to
 30 s), reset once a session is acknowledged. A session that ends with trailing
 metadata ``bigfleet-redirect: host:port`` (a shard that is not the leader, or
-is handing the cluster over) is redialled at that address at once. With mTLS the
-operator presents its ``bigfleet://cluster/<id>`` certificate.
+is handing the cluster over) is redialled at that address at once. An attempt that then fails
+there without a new redirect (the redirect's target is down or no longer leads) is reported to the
+resolver, which goes back to its configured address, so a dead leader is not redialled forever.
+With mTLS the operator presents its ``bigfleet://cluster/<id>`` certificate.
 
 Losing the shard never changes the cluster: handlers only run for frames the
 shard actually sent.
@@ -62,10 +64,21 @@ class Backoff:
 class Resolver(Protocol):
     async def resolve(self) -> str: ...
     def redirect(self, target: str) -> None: ...
+    def failed(self, target: str) -> None:
+        """An attempt at ``target`` opened no session and brought no redirect."""
+        ...
 
 
 @dataclass
 class StaticResolver:
+    """``--shard-addr``: the configured address, or the address a shard's redirect named.
+
+    The redirect's address is kept while sessions open there (a dropped session redials the
+    leader directly); once an attempt at it fails without a new redirect (the leader died or
+    stepped down) the configured address, a replica or a Service, is dialled again and its
+    redirect names whoever leads now.
+    """
+
     target: str
     _override: str | None = None
 
@@ -73,7 +86,12 @@ class StaticResolver:
         return self._override or self.target
 
     def redirect(self, target: str) -> None:
-        self._override = target
+        self._override = None if target == self.target else target
+
+    def failed(self, target: str) -> None:
+        if self._override is not None and target == self._override:
+            log.info("redirect target failed; back to the configured shard address", failed=target, target=self.target)
+            self._override = None
 
 
 class Handlers(Protocol):
@@ -310,6 +328,7 @@ class SessionClient:
         while True:
             self._redirect_to = None
             opened, status_lost = self.sessions, False
+            target: str | None = None
             try:
                 target = await self.resolver.resolve()
                 await self._session(target)
@@ -324,7 +343,9 @@ class SessionClient:
             except Exception as exc:
                 log.warning("session ended", error=f"{type(exc).__name__}: {exc}"[:300])
             self.metrics.reconnects.inc()
-            if self._redirect_to and self._redirect_to != self.target:
+            # Compared with this attempt's address, not the last session's: after a fallback the
+            # configured address may rightly send us back to a leader we had a session on before.
+            if self._redirect_to and self._redirect_to != target:
                 log.info("following redirect", target=self._redirect_to)
                 self.resolver.redirect(self._redirect_to)
                 continue
@@ -337,6 +358,8 @@ class SessionClient:
                 self.resolver.redirect(self.target)
                 await asyncio.sleep(0.1)
                 continue
+            if target is not None and self.sessions == opened:
+                self.resolver.failed(target)
             await asyncio.sleep(self.backoff.next())
 
     async def drain_handlers(self) -> None:
