@@ -287,6 +287,26 @@ def test_alert_runbook_links_point_at_operator_guide_sections() -> None:
         assert r["alert"] in guide, f"{r['alert']} is not documented in the operator guide"
 
 
+@pytest.mark.parametrize(("replicas", "quorum"), [(1, 1), (3, 2), (5, 3)])
+def test_shard_quorum_alert_fires_with_every_replica_down(replicas: int, quorum: int) -> None:
+    """`count(up == 1) < n` has no series to compare once every replica is down (the filter drops
+    them all), so it never fired then. The rule sums `up` per group instead (0 while the down
+    targets are still scraped) and falls back to absent() when no shard target is left at all."""
+    values = values_for("bigfleet", "full-values.yaml")
+    values["shard"]["replicasPerShard"] = replicas
+    rule = find(cc.render("bigfleet", values), "PrometheusRule", "fleet")
+    alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    expr = " ".join(alerts["BigFleetShardGroupWithoutQuorum"]["expr"].split())
+    ns = rule["metadata"]["namespace"]
+    up = f'up{{job="shard", namespace="{ns}"}}'
+    assert expr == (f'sum by (bigfleet_shard) (label_replace({up}, "bigfleet_shard", "$1", "pod", "(.*)-[0-9]+"))'
+                    f" < {quorum} or absent({up})")
+    # Any rule counting only the targets that are up must say what happens when none is.
+    for name, r in alerts.items():
+        if re.search(r"count[^(]*\(.*== 1", r["expr"]):
+            assert "absent(" in r["expr"], f"{name}: counts up == 1 without an absent() fallback"
+
+
 def _anchor(heading: str) -> str:
     text = heading.lstrip("#").strip().lower()
     out = "".join(ch for ch in text if ch.isalnum() or ch in " -_")

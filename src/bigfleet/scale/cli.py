@@ -363,7 +363,7 @@ def _shard_report(a: stats.Samples, b: stats.Samples, window: float, series: lis
               for ph in stats.label_values(a, f"{phase_metric}_bucket", "phase")}
     rpc_metric = "bigfleet_shard_provider_rpc_duration_seconds_count"
     rpcs = {rpc: stats.delta(a, b, rpc_metric, rpc=rpc) / window for rpc in stats.label_values(a, rpc_metric, "rpc")}
-    inv = {st: a.get(("bigfleet_shard_inventory_machines", (("state", st),)), 0.0)
+    inv = {st: stats.delta(a, {}, "bigfleet_shard_inventory_machines", state=st)  # (summed over its other labels)
            for st in stats.label_values(a, "bigfleet_shard_inventory_machines", "state")}
     return {
         "inventory": inv,

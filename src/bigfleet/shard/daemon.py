@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import grpc
 
 from bigfleet.budget import BudgetRule, parse_budget
-from bigfleet.decision.types import Decision, EngineConfig
+from bigfleet.decision.types import Decision, EngineConfig, Verdict
 from bigfleet.needs import Need, snapshot_sort_key
 from bigfleet.observability import get_logger
 from bigfleet.security.tls import TLSConfig
@@ -33,7 +33,7 @@ from bigfleet.shard.ha.state import Actuation, HAState
 from bigfleet.shard.handoff import EXCLUSIVE, OWNER_KEY, CoordinatorCalls, ShardHandoff
 from bigfleet.shard.hints import CapacityHints
 from bigfleet.shard.intake import RollupIntake
-from bigfleet.shard.metrics import ShardMetrics
+from bigfleet.shard.metrics import SHORTFALL_AGE_BUCKETS, ShardMetrics, shortfall_age_bucket
 from bigfleet.shard.provider_client import ProviderClient
 from bigfleet.shard.providers import ShardProvider, build_provider, parse_provider_specs
 from bigfleet.shard.reconcile import Reconciler
@@ -49,6 +49,10 @@ from bigfleet.wire.needs import requirement_to_proto
 log = get_logger("bigfleet.shard")
 
 S = provider_pb2.MachineState
+#: the inventory gauge's `state` and `capacity_type` labels by enum value
+_STATE_LABELS: dict[int, str] = {v: S.Name(v).removeprefix("MACHINE_STATE_").lower() for v in S.values()}
+_CAPACITY_LABELS: dict[int, str] = {v: provider_pb2.CapacityType.Name(v).removeprefix("CAPACITY_TYPE_").lower()
+                    for v in provider_pb2.CapacityType.values()}
 RowKey = tuple[str, str]
 
 
@@ -138,6 +142,12 @@ class CycleRecord:
             self._needs = tuple(rows)
         return self._needs
 
+    def iter_needs(self) -> Iterable[Need]:
+        """The needs decided on, in no particular order (nothing sorted or cached: safe off the loop)."""
+        if self._needs is not None:
+            return self._needs
+        return (n for ns in (self._by_cluster or {}).values() for n in ns)
+
 
 class TermSource(Protocol):
     """The coordinator term high-water mark echoed in every Ack (the heartbeat's instruction gate)."""
@@ -218,6 +228,8 @@ class ShardDaemon:
         self.term_source: TermSource | None = None  # the heartbeat loop's instruction gate, while one runs
         self.reconciled = self.reconciler.done_once
         self.last = CycleRecord()
+        self._demand_memo: tuple[CycleRecord, dict[str, int]] | None = None
+        metrics.demand.source = self.demand_by_penalty_bucket  # (this daemon leads: its demand is the shard's)
         #: the shard cycle: the carried engine state's (replicated), so ShardRead, ShardAdmin and the
         #: Session's NeedVerdicts give one number, and a restart or failover continues it
         self.cycles = self.store.engine_state().cycle
@@ -323,7 +335,7 @@ class ShardDaemon:
         t1 = time.perf_counter()
         await self.dispatcher.dispatch(decision, out.suppressed_counts)
         self.metrics.phase_duration.labels("execute").observe(time.perf_counter() - t1)
-        self.metrics.shortfalls.set(len(decision.shortfalls))
+        self._publish_shortfalls(decision)
         self.last = CycleRecord(self.cycles, now, out.snapshot, decision, out.rows, by_cluster=out.by_cluster)
         for observe in self.cycle_observers:
             try:
@@ -361,11 +373,40 @@ class ShardDaemon:
             log.warning("reconcile failed; deciding on the last known inventory", error=str(exc))
 
     def _update_inventory_gauge(self) -> None:
-        counts = self.view.counts()
-        for st in S.values():
-            if st == S.MACHINE_STATE_UNSPECIFIED:
-                continue
-            self.metrics.inventory.labels(S.Name(st).removeprefix("MACHINE_STATE_").lower()).set(counts.get(st, 0))
+        # From counts the view keeps on every write (O(label sets), not a walk over the fleet); a
+        # label set whose machines all left stays at 0.
+        gauge = self.metrics.inventory
+        for (st, ct, penalty), n in self.view.inventory_counts.items():
+            gauge.labels(_STATE_LABELS.get(st) or str(st), _CAPACITY_LABELS.get(ct) or str(ct), penalty).set(n)
+
+    def _publish_shortfalls(self, decision: Decision) -> None:
+        """`shortfalls`: the reported list (capped by `shortfall_report_cap`); `shortfalls_aged`:
+        every short profile by its age (the carried ages hold all of them, uncapped)."""
+        self.metrics.shortfalls.set(len(decision.shortfalls))
+        aged = dict.fromkeys((name for name, _ in SHORTFALL_AGE_BUCKETS), 0)
+        for age in decision.state.shortfall_ages.values():
+            aged[shortfall_age_bucket(age)] += 1
+        for name, n in aged.items():
+            self.metrics.shortfalls_aged.labels(name).set(n)
+
+    def demand_by_penalty_bucket(self) -> dict[str, int]:
+        """`bigfleet_shard_demand_machines`: per interruption penalty bucket of the needs, the machines
+        they hold after the last cycle (credited, bootstrapped or provisioned: a verdict's claimed
+        count). Runs on the metrics thread when scraped; reads only the last cycle's record, which
+        is never changed once published (the worker's rows are a new dict each cycle)."""
+        rec = self.last
+        memo = self._demand_memo
+        if memo is not None and memo[0] is rec:
+            return memo[1]
+        rows = NeedVerdictSender.rows_of(rec)
+        out: dict[str, int] = {}
+        for n in rec.iter_needs():
+            bucket = n.profile.interruption_bucket.label
+            r = rows.get((n.cluster_id, n.fingerprint))
+            claimed = 0 if r is None else (r.claimed_count if isinstance(r, Verdict) else r[1])
+            out[bucket] = out.get(bucket, 0) + claimed
+        self._demand_memo = (rec, out)
+        return out
 
     async def cycle_loop(self) -> None:
         """Cycles every ``cycle_interval`` and soon after a trigger; consecutive cycles are spaced by
@@ -433,6 +474,8 @@ class ShardDaemon:
         await self.retirer.stop()
         await self.executor.drain_all(drain_timeout)
         await self.provider.close()
+        if self.metrics.demand.source == self.demand_by_penalty_bucket:  # (not a newer term's daemon)
+            self.metrics.clear_cycle_results()
 
     # -- coordinator report and actuation ------------------------------------------------------
 

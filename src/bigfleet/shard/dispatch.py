@@ -61,6 +61,8 @@ class Dispatcher:
         if st.consolidation_drains:
             self.metrics.consolidation_replacements.labels("retired").inc(st.consolidation_drains)
         self.metrics.consolidation_savings.set(st.consolidation_savings_per_hour)
+        if st.reclaims_deferred:  # excess machines the per-cluster reclaim cap held back this cycle
+            self.metrics.reclaims_capped.inc(st.reclaims_deferred)
 
     async def dispatch(self, decision: Decision, suppressed_counts: Mapping[str, int] | None = None) -> None:
         self.count(decision, suppressed_counts)

@@ -2,15 +2,59 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+#: `bigfleet_shard_shortfalls_aged` buckets: (label, lowest age in cycles), oldest last
+SHORTFALL_AGE_BUCKETS: tuple[tuple[str, int], ...] = (("1-9", 1), ("10-59", 10), ("60-299", 60), ("300+", 300))
+
+
+def shortfall_age_bucket(age_cycles: int) -> str:
+    """The `bucket` label of a shortfall unmet for ``age_cycles`` consecutive cycles (ages start at 1)."""
+    label = SHORTFALL_AGE_BUCKETS[0][0]
+    for name, low in SHORTFALL_AGE_BUCKETS:
+        if age_cycles >= low:
+            label = name
+    return label
 
 
 def _exp(start: float, factor: float, count: int) -> list[float]:
     return [start * factor**i for i in range(count)]
 
 
+class DemandCollector(Collector):
+    """``bigfleet_shard_demand_machines{interruption_penalty_bucket}``, computed when scraped from the
+    leading daemon's last cycle (``source``; None when this replica does not lead: no series).
+
+    A walk over every need's verdict costs O(needs); done at scrape time it runs once per scrape,
+    not once per cycle on the session loop. ``source`` reads an immutable per-cycle record."""
+
+    NAME = "bigfleet_shard_demand_machines"
+    HELP = ("Machines the clusters' needs hold after the last cycle (credited to a need, or bootstrapped or "
+            "provisioned for it by that cycle), by the need's interruption penalty bucket")
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.source: Callable[[], Mapping[str, int]] | None = None
+        registry.register(self)
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(self.NAME, self.HELP, labels=["interruption_penalty_bucket"])
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        fam = GaugeMetricFamily(self.NAME, self.HELP, labels=["interruption_penalty_bucket"])
+        source = self.source
+        if source is not None:
+            for bucket, n in sorted(source().items()):
+                fam.add_metric([bucket], n)
+        yield fam
+
+
 class ShardMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
         for declare in (self._cycles, self._sessions, self._provider, self._runtime, self._features):
             declare(registry)
 
@@ -34,8 +78,37 @@ class ShardMetrics:
         )
         self.actions_dryrun = Counter("bigfleet_shard_actions_dryrun_total", "Actions computed in dry-run", ["kind"], registry=r)
         self.execute_inflight = Gauge("bigfleet_shard_execute_inflight", "Actions executing now", registry=r)
-        self.inventory = Gauge("bigfleet_shard_inventory_machines", "Machines by state", ["state"], registry=r)
+        self.inventory = Gauge(
+            "bigfleet_shard_inventory_machines",
+            "Machines by state, capacity type and the interruption penalty bucket their need stamped on them "
+            "('none': not assigned to a need)",
+            ["state", "capacity_type", "interruption_penalty_bucket"], registry=r,
+        )
         self.shortfalls = Gauge("bigfleet_shard_shortfalls", "Shortfalls reported by the last cycle", registry=r)
+        self.shortfalls_aged = Gauge(
+            "bigfleet_shard_shortfalls_aged",
+            "Short profiles after the last cycle (report cap not applied) by how many consecutive cycles "
+            "they have been short", ["bucket"], registry=r,
+        )
+        for name, _ in SHORTFALL_AGE_BUCKETS:  # (every replica exports the four, 0 unless leading)
+            self.shortfalls_aged.labels(name).set(0)
+        self.demand = DemandCollector(r)
+        self.reclaims_capped = Counter(
+            "bigfleet_shard_reclaims_capped_total",
+            "Excess Configured machines the per-cluster reclaim cap kept from draining, summed over cycles "
+            "(a machine held back for 3 cycles counts 3)", registry=r,
+        )
+
+    def clear_cycle_results(self) -> None:
+        """Drop what the last cycle published (the replica stopped leading): a follower or deposed
+        leader exports no inventory, demand or shortfall figures, so sums over a replica group count
+        the leader's alone. Counters and histograms keep their totals."""
+        self.inventory.clear()
+        self.shortfalls.set(0)
+        for name, _ in SHORTFALL_AGE_BUCKETS:
+            self.shortfalls_aged.labels(name).set(0)
+        self.consolidation_savings.set(0)
+        self.demand.source = None
 
     def _sessions(self, r: CollectorRegistry) -> None:
         """Operator sessions and the roll-ups they carry."""

@@ -27,8 +27,9 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 
-from bigfleet.machine import Machine, ValidationError
+from bigfleet.machine import Assignment, Machine, ValidationError
 from bigfleet.machine import rejection_reason as _core_rejection_reason
+from bigfleet.needs.penalty import bucket_from_dollars
 from bigfleet.observability import get_logger
 from bigfleet.v1alpha1 import provider_pb2, shard_pb2
 from bigfleet.wire.machine import machine_from_proto
@@ -78,6 +79,31 @@ def node_state_update(pb: provider_pb2.Machine, cluster_id: str) -> shard_pb2.Sh
 
 NodeSink = Callable[[str, shard_pb2.ShardMessage], None]
 
+#: (state, capacity type, interruption penalty bucket label): the inventory gauge's labels
+InventoryKey = tuple[int, int, str]
+_PENALTY_LABELS: dict[float, str] = {}
+
+
+def penalty_label(a: Assignment) -> str:
+    """The interruption penalty bucket a machine's need stamped on it, as a metric label (the
+    bucket's upper bound in dollars, "pinned"), or "none" for a machine assigned to no need."""
+    if a.is_empty:
+        return "none"
+    dollars = a.interruption_penalty_dollars
+    label = _PENALTY_LABELS.get(dollars)
+    if label is None:
+        try:
+            label = bucket_from_dollars(dollars).label
+        except ValueError:  # (NaN or negative: never stamped by the shard)
+            label = "unspecified"
+        if len(_PENALTY_LABELS) < 4096:
+            _PENALTY_LABELS[dollars] = label
+    return label
+
+
+def inventory_key(m: Machine) -> InventoryKey:
+    return (int(m.state), int(m.shape.capacity_type), penalty_label(m.assignment))
+
 
 class MachineView:
     def __init__(self, on_node_update: NodeSink | None = None, on_reject: Callable[[str], None] | None = None,
@@ -112,6 +138,8 @@ class MachineView:
         self.type_counts: Counter[str] = Counter()
         self.zone_counts: Counter[str] = Counter()
         self.creating: dict[str, None] = {}
+        #: machines per `InventoryKey` (a key whose count fell to 0 stays, so its gauge reads 0)
+        self.inventory_counts: Counter[InventoryKey] = Counter()
 
     def __len__(self) -> int:
         return len(self._pb)
@@ -166,6 +194,9 @@ class MachineView:
         old = provider_pb2.Machine.FromString(old_raw) if old_raw is not None else None
         self._pb[pb.id] = raw
         self._machines[pb.id] = m
+        if prev is not None:
+            self.inventory_counts[inventory_key(prev)] -= 1
+        self.inventory_counts[inventory_key(m)] += 1
         self.version += 1
         self.dirty.add(pb.id)
         self._count(old, pb)
@@ -226,7 +257,8 @@ class MachineView:
         if (old_raw := self._pb.pop(machine_id, None)) is not None:
             old = provider_pb2.Machine.FromString(old_raw)
             self._index(machine_id, old.cluster, "")
-            self._machines.pop(machine_id, None)
+            if (gone := self._machines.pop(machine_id, None)) is not None:
+                self.inventory_counts[inventory_key(gone)] -= 1
             self.version += 1
             self.dirty.add(machine_id)
             self._count(old, None)
