@@ -95,6 +95,9 @@ class Harness:
         self.channel = self.dialer.channel()
         self.stub = pbg.CapacityProviderStub(self.channel)
         self._delete_supported: bool | None = None
+        #: machines this run gave back with Delete: a Delete of one of them again is a replay of
+        #: its latest transition (accepted by the contract), not an out-of-position call
+        self.released: set[str] = set()
 
     def close(self) -> None:
         self.dialer.close()
@@ -200,12 +203,14 @@ class Harness:
             expect(s == state, f"{mid} left {state_name(state)} for {state_name(s)}")
             time.sleep(0.02)
 
-    def pick_speculative(self, n: int = 1) -> builtins.list[str]:
+    def pick_speculative(self, n: int = 1, unreleased: bool = False) -> builtins.list[str]:
         # Machines labelled for injected create faults are never picked for ordinary walks.
         ids = list(dict.fromkeys(
-            m.id for m in self.list([S], max_results=n + 8).machines
+            m.id for m in self.list([S], max_results=n + 8 + (len(self.released) if unreleased else 0)).machines
             if m.labels.get("conformance.fault/create") != "error"
         ))
+        if unreleased:
+            ids = [i for i in ids if i not in self.released] or ids
         if len(ids) < n:
             raise Skip(f"needs {n} SPECULATIVE machine(s), provider has {len(ids)}")
         return ids[:n]
@@ -232,6 +237,7 @@ class Harness:
     def release(self, mid: str) -> None:
         """Best effort: give an IDLE machine back to the pool so later checks have slots."""
         if self.delete_supported() and self.state(mid) == IDLE and self.code(self.delete, mid) == OK:
+            self.released.add(mid)
             self.must_reach(mid, S)
 
 
