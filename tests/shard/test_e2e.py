@@ -6,8 +6,6 @@ A recording pass-through sits between the shard and the provider so the tests ca
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import pytest
 
@@ -241,13 +239,14 @@ async def test_a_restart_continues_the_shard_cycle_on_every_surface() -> None:
         async with FakeOperator(shard.addr, "c1") as op:
             await op.send_rollup([need("1")])
             await shard.wait_cycles(15)
-            await asyncio.sleep(1.5)  # (the carried state is written at most once a second)
             before = await shard.cycle()
         assert shard.proc is not None and shard.proc.stop(timeout=20) == 0
         await shard.start()
         await until(lambda: _reconciled(shard), 30, "restarted shard reconciled")
         await shard.wait_cycles(2)
-        assert await shard.cycle() >= before
+        # (the carried state is written at most once a second, so a restart may repeat a few of the
+        # last numbers: 0.3 s cycles; the per-start counter it replaced would read 2 or 3 here)
+        assert await shard.cycle() >= before - 5
         async with FakeOperator(shard.addr, "c1") as op:
             await until(lambda: op.of("need_verdicts"), 10, "verdicts on the new session")
             assert abs(op.of("need_verdicts")[-1].need_verdicts.cycle - await shard.cycle()) <= 2
