@@ -19,6 +19,7 @@ from bigfleet.provider.fake.backend import SimulatedCloud
 from bigfleet.provider.fake.catalog import build_catalog
 from bigfleet.provider.kit import Fence, KitError, serve
 from bigfleet.provider.kit.core import ProviderCore
+from bigfleet.provider.kit.model import State
 from bigfleet.provider.kit.server import RunningProvider
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,6 +138,37 @@ def _no_revision_bump_on_completion(rp: RunningProvider) -> None:
     core.complete = complete  # type: ignore[method-assign]
 
 
+def _list_hides(keep: Callable[[Any], bool]) -> Callable[[RunningProvider], None]:
+    """List leaves out the machines ``keep`` rejects (Get still answers for them)."""
+
+    def breaker(rp: RunningProvider) -> None:
+        core = rp.provider.core
+        orig = core.list
+
+        def list_(*a: Any, **kw: Any) -> Any:
+            records, rev = orig(*a, **kw)
+            return [r for r in records if keep(r)], rev
+
+        core.list = list_  # type: ignore[method-assign]
+
+    return breaker
+
+
+_hides_configured = _list_hides(lambda r: r.state != State.CONFIGURED)
+
+
+def _truncates_at_50(rp: RunningProvider) -> None:
+    """List answers one page of the substrate's listing and drops the rest (80 machines here)."""
+    core = rp.provider.core
+    orig = core.list
+
+    def list_(*a: Any, **kw: Any) -> Any:
+        records, rev = orig(*a, **kw)
+        return records[:50], rev
+
+    core.list = list_  # type: ignore[method-assign]
+
+
 @pytest.mark.parametrize(
     "breaker, must_fail",
     [
@@ -145,8 +177,11 @@ def _no_revision_bump_on_completion(rp: RunningProvider) -> None:
         (_fixed_order, {"C506"}),
         (_drops_metadata, {"C401"}),
         (_no_revision_bump_on_completion, {"C504"}),
+        (_hides_configured, {"C507"}),
+        (_truncates_at_50, {"C507"}),
     ],
-    ids=["no-fencing", "fp-for-bad-transition", "fixed-list-order", "drops-metadata", "stale-revision"],
+    ids=["no-fencing", "fp-for-bad-transition", "fixed-list-order", "drops-metadata", "stale-revision",
+         "list-hides-configured", "list-truncated"],
 )
 def test_suite_catches_broken_providers(in_process: Any, breaker: Any, must_fail: set[str], tmp_path: Path) -> None:
     target = in_process(breaker)
@@ -154,6 +189,28 @@ def test_suite_catches_broken_providers(in_process: Any, breaker: Any, must_fail
     failed = {r.id for r in results if r.status == "fail"}
     assert must_fail <= failed, _summary(results)
     assert "C101" not in failed
+
+
+def test_a_list_missing_machines_is_named_not_a_crash(in_process: Any, tmp_path: Path) -> None:
+    """Checks that look a machine up in List say it is missing instead of failing with a Python error."""
+    def breaker(rp: RunningProvider) -> None:
+        _hides_configured(rp)
+        hiding = rp.provider.core.list
+
+        def list_(states: Any, max_results: int, *a: Any) -> Any:
+            records, rev = hiding(states, max_results, *a)
+            return ([] if max_results == 1 else records), rev
+
+        rp.provider.core.list = list_  # type: ignore[method-assign]
+
+    target = in_process(breaker)
+    results = run_suite(target, ["core"], None, Params(settle_timeout=5.0), tmp_path,
+                        only={"C401", "C503", "C506", "C507"})
+    details = {r.id: r.detail for r in results}
+    assert all(r.status == "fail" for r in results), _summary(results)
+    assert not [d for d in details.values() if "unexpected error" in d], details
+    assert "missing from List" in details["C401"] and "missing from List" in details["C507"], details
+    assert "returned no machine" in details["C506"], details
 
 
 def test_launcher_reports_a_provider_that_does_not_start(tmp_path: Path) -> None:

@@ -568,8 +568,7 @@ def metadata_echo(c: Ctx) -> None:
             expect(dict(m.shard_metadata) == _NASTY, "Get/List during CONFIGURING does not echo verbatim")
     m = h.must_reach(mid, CONFIGURED)
     expect(dict(m.shard_metadata) == _NASTY, "CONFIGURED machine does not echo shard_metadata verbatim")
-    listed = [x for x in h.list([CONFIGURED]).machines if x.id == mid]
-    expect(listed and dict(listed[0].shard_metadata) == _NASTY, "List does not echo shard_metadata verbatim")
+    expect(dict(h.listed(mid, [CONFIGURED]).shard_metadata) == _NASTY, "List does not echo shard_metadata verbatim")
     ack = h.drain(mid)
     if ack.machine.state == DRAINING:
         expect(dict(ack.machine.shard_metadata) == _NASTY, "DRAINING snapshot lost shard_metadata")
@@ -695,13 +694,13 @@ def revision_bumps(c: Ctx) -> None:
     h = c.h
     r0 = h.revision()
     expect(r0, "List.revision is empty (incremental List unsupported)")
-    h.get(h.list(max_results=1).machines[0].id)
+    h.get(h.first().id)
     expect(h.revision() == r0, "a read bumped the revision")
     mid = h.pick_speculative()[0]
     h.create(mid)
     lst = h.list()
     r1 = bytes(lst.revision)
-    seen = next(m.state for m in lst.machines if m.id == mid)
+    seen = h.listed(mid, lst=lst).state
     expect(r1 != r0, "accepting a Create did not bump the revision")
     h.must_reach(mid, IDLE)
     r2 = h.revision()
@@ -758,8 +757,48 @@ def list_order(c: Ctx) -> None:
     h = c.h
     if len(h.list([S], max_results=8).machines) < 4:
         raise Skip("fewer than 4 SPECULATIVE machines")
-    firsts = {h.list([S], max_results=1).machines[0].id for _ in range(12)}
+    firsts = {h.first([S]).id for _ in range(12)}
     expect(len(firsts) >= 2, "12 successive List(SPECULATIVE, max 1) calls all returned the same machine")
+
+
+def _full_and_per_state(h: Harness) -> tuple[set[str], set[str]]:
+    """The ids of one unfiltered List, and the union of one List per state."""
+    full = {m.id for m in h.list().machines}
+    per_state: set[str] = set()
+    for st in pb.MachineState.values():
+        if st != pb.MACHINE_STATE_UNSPECIFIED:
+            per_state |= {m.id for m in h.list([st]).machines}
+    return full, per_state
+
+
+@check("core", "C507", "List is complete: a machine is listed in every state it settles in; List = union of its states")
+def list_complete(c: Ctx) -> None:
+    """A shard builds its inventory from List alone: a machine left out is lost to it (never handed
+    out) or, once bound, forgotten with its cluster's node on it. Get cannot stand in for List."""
+    h = c.h
+    mid = h.pick_speculative()[0]
+    h.listed(mid)
+    h.listed(mid, [S])
+    h.create(mid)
+    h.must_reach(mid, IDLE)
+    for states in ((), (IDLE,)):
+        h.listed(mid, states)
+    h.configure(mid, "conf-complete")
+    h.must_reach(mid, CONFIGURED)
+    for states in ((), (CONFIGURED,)):
+        h.listed(mid, states)
+    for _ in range(3):  # a machine of an earlier check may move between the Lists: look again
+        full, per_state = _full_and_per_state(h)
+        if full == per_state:
+            break
+        time.sleep(0.5)
+    expect(per_state <= full, f"{len(per_state - full)} machine(s) listed under their state are missing from the "
+                              f"unfiltered List (e.g. {sorted(per_state - full)[:3]})")
+    expect(full <= per_state, f"{len(full - per_state)} machine(s) of the unfiltered List are in no state's List")
+    h.drain(mid)
+    h.must_reach(mid, IDLE)
+    h.listed(mid, [IDLE])
+    h.release(mid)
 
 
 # ==================================================================================================

@@ -133,6 +133,25 @@ class Harness:
     def revision(self) -> bytes:
         return bytes(self.list().revision)
 
+    def first(self, states: Sequence[int] = ()) -> pb.Machine:
+        """``List(states, max_results=1)``'s machine; a provider answering none fails the check by name
+        (the contract: a positive ``max_results`` returns at least one machine when any matches)."""
+        got = self.list(states, max_results=1).machines
+        where = ",".join(state_name(s) for s in states) or "any state"
+        expect(got, f"List({where}, max_results=1) returned no machine")
+        return got[0]
+
+    def listed(self, mid: str, states: Sequence[int] = (), lst: pb.MachineList | None = None) -> pb.Machine:
+        """``mid``'s record in ``lst`` (default: a fresh ``List(states)``). A machine the provider
+        knows but leaves out of List is invisible to a shard's reconcile, so it fails by name."""
+        lst = lst if lst is not None else self.list(states)
+        found = next((m for m in lst.machines if m.id == mid), None)
+        if found is None:
+            where = ",".join(state_name(s) for s in states) or "unfiltered"
+            raise CheckFailed(f"{mid} ({state_name(self.state(mid))} per Get) is missing from List ({where}, "
+                              f"{len(lst.machines)} machines)")
+        return found
+
     def create(self, mid: str, tok: Token = ZERO, stub: Any = None) -> pb.TransitionAck:
         out: pb.TransitionAck = self._stub(tok, stub).Create(
             pb.CreateRequest(machine_id=mid, shard_id=tok.shard, shard_epoch=tok.epoch, sequence_number=tok.seq),
