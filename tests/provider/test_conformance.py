@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
+from bigfleet.process import free_port
 from bigfleet.provider.conformance.runner import LANES, Params, run_suite
 from bigfleet.provider.fake.backend import SimulatedCloud
 from bigfleet.provider.fake.catalog import build_catalog
@@ -211,6 +212,28 @@ def test_a_list_missing_machines_is_named_not_a_crash(in_process: Any, tmp_path:
     assert not [d for d in details.values() if "unexpected error" in d], details
     assert "missing from List" in details["C401"] and "missing from List" in details["C507"], details
     assert "returned no machine" in details["C506"], details
+
+
+def test_only_names_real_checks(in_process: Any) -> None:
+    """A mistyped --only used to run nothing and exit 0 ("0 passed, 0 failed"): a false certificate."""
+    target = in_process(lambda rp: None)
+    base = [sys.executable, "-m", "bigfleet.cli.main", "conformance", "--target", target, "--quiet"]
+    p = subprocess.run([*base, "--only", "C999,C101"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "C999" in p.stderr, p.stdout + p.stderr
+    p = subprocess.run([*base, "--only", "F601"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "F601" in p.stderr and "fault" in p.stderr, p.stdout + p.stderr
+    p = subprocess.run([*base, "--only", "c101"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "1 passed, 0 failed" in p.stdout, p.stdout + p.stderr
+
+
+def test_an_unreachable_target_is_reported_once_per_check_in_one_line(tmp_path: Path) -> None:
+    target = f"127.0.0.1:{free_port()}"
+    results = run_suite(target, ["core", "scale"], None, Params(start_timeout=3.0), tmp_path)
+    assert results and all(r.status == "fail" for r in results)
+    assert {r.lane for r in results} == {"core", "scale"}
+    for r in results:
+        assert r.detail.startswith(f"provider at {target} did not answer List"), r.detail
+        assert "UNAVAILABLE" in r.detail and "\n" not in r.detail and "unexpected error" not in r.detail
 
 
 def test_launcher_reports_a_provider_that_does_not_start(tmp_path: Path) -> None:

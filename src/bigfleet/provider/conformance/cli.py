@@ -18,6 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from bigfleet.provider.conformance.checks import REGISTRY
 from bigfleet.provider.conformance.dialer import Transport
 from bigfleet.provider.conformance.runner import LANES, Params, Result, print_table, run_suite, write_junit
 from bigfleet.security import add_tls_arguments, tls_from_args_or_exit
@@ -50,6 +51,23 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def only_problem(only: set[str] | None, lanes: list[str]) -> str:
+    """Why ``--only`` cannot be honoured ("" if it can): a run that selects no check would print
+    "0 passed, 0 failed" and exit 0, which reads as a pass."""
+    if not only:
+        return ""
+    lane_of = {c.id: c.lane for c in REGISTRY}
+    unknown = sorted(only - lane_of.keys())
+    if unknown:
+        return f"unknown check id(s) {unknown} in --only (ids look like C101, F601, D701, S801)"
+    outside = sorted(i for i in only if lane_of[i] not in lanes)
+    if outside:
+        wanted = sorted({lane_of[i] for i in outside})
+        return (f"--only {outside} belong to lane(s) {wanted}, not to --lanes {','.join(lanes)}; "
+                f"add them to --lanes")
+    return ""
+
+
 def main(argv: list[str]) -> int:
     ap = parser()
     args = ap.parse_args(argv)
@@ -77,7 +95,11 @@ def main(argv: list[str]) -> int:
             print(f"  {r.lane:<11} {r.id:<6} {r.status.upper():<5} {r.seconds:6.2f}s  {r.title}", file=sys.stderr,
                   flush=True)
 
-    only = {x.strip() for x in args.only.split(",") if x.strip()} or None
+    only = {x.strip().upper() for x in args.only.split(",") if x.strip()} or None
+    problem = only_problem(only, lanes)
+    if problem:
+        print(f"bigfleet conformance: {problem}", file=sys.stderr)
+        return 2
     results = run_suite(args.target or None, lanes, args.provider_cmd or None, params,
                         Path(args.workdir) if args.workdir else None, only, progress)
     print_table(results, sys.stdout)

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import grpc
+
 from bigfleet.process import free_port
 from bigfleet.provider.conformance.checks import Check, Ctx, checks_for, durability_before
 from bigfleet.provider.conformance.dialer import Transport
@@ -228,11 +230,14 @@ def run_suite(
                 emit(_lane_failed(lane, str(exc)))
             return results
     fault_env = {ENV_ENABLE: "1", ENV_TIMEOUT: f"{params.fault_timeout:g}"}
+    down = unreachable(target, params) if target and {"core", "scale"} & set(lanes) else ""
     for lane in lanes:
         if lane not in LANES:
             raise ValueError(f"unknown lane {lane!r} (lanes: {', '.join(LANES)})")
         if lane == "core":
-            if target:
+            if down:
+                emit(_lane_failed("core", down))
+            elif target:
                 run("core", target)
             elif launcher:
                 _with_launched(launcher, "core", params.core_seed, None, {}, lambda t: run("core", t), emit)
@@ -255,11 +260,39 @@ def run_suite(
             if launcher:
                 _with_launched(launcher, "scale", params.scale_machines + params.scale_burst, None, {},
                                lambda t: run("scale", t, {}), emit)
+            elif down:
+                emit(_lane_failed("scale", down))
             elif target:
                 run("scale", target, {})
             else:
                 emit(_lane_skipped("scale", "no --target and no --provider-cmd"))
     return results
+
+
+TARGET_WAIT = 10.0  # a --target is already running: a short wait covers a restart, not a typo'd port
+
+
+def unreachable(target: str, params: Params) -> str:
+    """Why ``target`` cannot be certified ("" when its List answers within ``TARGET_WAIT`` seconds,
+    or ``params.start_timeout`` if shorter).
+
+    Without this every check of the lane failed on its own with a multi-line gRPC dump, which hid
+    the one fact that mattered: nothing answered at that address."""
+    wait = min(TARGET_WAIT, params.start_timeout)
+    h = Harness(target, call_timeout=2.0, transport=params.transport)
+    deadline = time.monotonic() + wait
+    try:
+        while True:
+            try:
+                h.list(max_results=1, timeout=2.0)
+                return ""
+            except grpc.RpcError as exc:
+                if time.monotonic() > deadline:
+                    return (f"provider at {target} did not answer List within {wait:g}s: "
+                            f"{exc.code().name}: {' '.join((exc.details() or '').split())}")
+                time.sleep(0.2)
+    finally:
+        h.close()
 
 
 def _with_launched(launcher: Launcher, lane: str, seed: int, state: Path | None, env: dict[str, str],
