@@ -47,14 +47,30 @@ def server_options(extra: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any
     return [*_SIZE_OPTIONS, ("grpc.so_reuseport", 0), *_SERVER_KEEPALIVE, *_SERVER_METADATA, *extra]
 
 
+# Clients ping every 20 s and give up on a peer that has not answered a ping within 10 s, so a
+# frozen peer (SIGSTOP, a hung host, a silent partition) ends a stream within about 30 s. gRPC
+# (1.85) times pings out after ``grpc.http2.ping_timeout_ms`` (60 s by default) whatever
+# ``grpc.keepalive_timeout_ms`` says, so both are set: with the default an operator kept
+# streaming into a SIGSTOPped shard leader for 80 s while its successor had no session for the
+# cluster (tests/operator/test_operator_frozen_shard.py).
+KEEPALIVE_TIME_MS = 20_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+
+
 def channel_options(extra: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
     return [
         *_SIZE_OPTIONS,
-        ("grpc.keepalive_time_ms", 20_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         *extra,
     ]
+
+
+def without_keepalive(options: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """``options`` without the client keepalive (pings and their timeout), for channels that must not ping."""
+    return [o for o in options if not o[0].startswith("grpc.keepalive") and o[0] != "grpc.http2.ping_timeout_ms"]
 
 
 def insecure_channel(target: str, extra: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:

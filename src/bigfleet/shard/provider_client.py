@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import grpc
 
 from bigfleet.rpc import channel_options
+from bigfleet.rpc.options import without_keepalive
 from bigfleet.security.tls import TLSConfig
 from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.v1alpha1 import provider_pb2, provider_pb2_grpc
@@ -101,9 +102,9 @@ class ProviderClient:
         self._channels: list[Any] = []
         for _ in range(max(1, channels) if stub is None else 0):
             if tls is None:
-                opts = [o for o in channel_options() if not o[0].startswith("grpc.keepalive")]
+                opts = without_keepalive(channel_options())
             else:  # mTLS: we present bigfleet://shard/<id>
-                opts = [o for o in tls.channel_options() if not o[0].startswith("grpc.keepalive")]
+                opts = without_keepalive(tls.channel_options())
             if channels > 1:
                 opts.append(("grpc.use_local_subchannel_pool", 1))
             if tls is None:
