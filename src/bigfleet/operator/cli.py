@@ -77,15 +77,45 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-async def _join_token(api: Any, namespace: str, ref: str) -> str:
-    from kubernetes.aio import client
+class JoinTokenError(Exception):
+    """The join-token Secret cannot be read; the message says which and why (no traceback)."""
 
+
+#: how long a start-up keeps retrying an API server it cannot reach (or that answers 5xx/429)
+JOIN_TOKEN_WAIT = 30.0
+
+
+async def _read_secret(api: Any, namespace: str, name: str, wait: float = JOIN_TOKEN_WAIT) -> Any:
+    """The Secret; an API server not reached yet (a pod starting with its node) is retried for
+    `wait` seconds, an answer that will not change (not found, forbidden) ends the start at once."""
+    import aiohttp
+    from kubernetes.aio import client
+    from kubernetes.aio.client.exceptions import ApiException
+
+    deadline = asyncio.get_running_loop().time() + wait
+    while True:
+        try:
+            return await client.CoreV1Api(api).read_namespaced_secret(name, namespace)
+        except ApiException as exc:
+            if exc.status and exc.status < 500 and exc.status != 429:
+                raise JoinTokenError(f"cannot read the join-token Secret {namespace}/{name}: HTTP {exc.status} "
+                                     f"{exc.reason}") from None
+            why = f"HTTP {exc.status} {exc.reason}"
+        except (OSError, TimeoutError, aiohttp.ClientError) as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        if asyncio.get_running_loop().time() >= deadline:
+            raise JoinTokenError(f"cannot read the join-token Secret {namespace}/{name}: the API server did not "
+                                 f"answer within {wait:g}s ({why})")
+        await asyncio.sleep(1.0)
+
+
+async def _join_token(api: Any, namespace: str, ref: str, wait: float = JOIN_TOKEN_WAIT) -> str:
     name, _, key = ref.partition("/")
-    secret = await client.CoreV1Api(api).read_namespaced_secret(name, namespace)
+    secret = await _read_secret(api, namespace, name, wait)
     data = secret.data or {}
     raw = data.get(key or "token")
     if raw is None:
-        raise SystemExit(f"secret {namespace}/{name} has no key {key or 'token'!r}")
+        raise JoinTokenError(f"the join-token Secret {namespace}/{name} has no key {key or 'token'!r}")
     return base64.b64decode(raw).decode()
 
 
@@ -126,7 +156,11 @@ async def run(args: argparse.Namespace, tls: TLSConfig | None = None) -> int:
     except Exception as exc:  # no kubeconfig and not in a cluster, unreadable file, ...
         log.error("cannot configure the Kubernetes client", error=f"{type(exc).__name__}: {exc}")
         return 1
-    token = await _join_token(api, args.namespace, args.join_token_secret) if args.join_token_secret else ""
+    try:
+        token = await _join_token(api, args.namespace, args.join_token_secret) if args.join_token_secret else ""
+    except JoinTokenError as exc:
+        log.error(str(exc))
+        return 1
     template = read_file(args.bootstrap_template_file or None)
     endpoint, ca_hash = args.api_server_endpoint, args.ca_cert_hash
     if template is None and token:
