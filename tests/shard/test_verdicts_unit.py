@@ -64,12 +64,15 @@ def machine(mid: str, state: int, cluster: str = "", fp: str = "") -> provider_p
 
 
 def verdict(cluster: str, fp: str, satisfied: bool, age: int = 0, deficit: dict[str, int] | None = None,
-            reason: UnmetReason = UnmetReason.SATISFIED, claimed: int = 0, cycle: int = 0) -> Verdict:
-    """A verdict as the decision of `cycle` gives it (unmet for `age` cycles)."""
+            reason: UnmetReason = UnmetReason.SATISFIED, claimed: int = 0, cycle: int = 0,
+            configured: int = 0) -> Verdict:
+    """A verdict as the decision of `cycle` gives it (unmet for `age` cycles; `configured` of the
+    `claimed` machines Configured)."""
     return Verdict(cluster_id=cluster, fingerprint=fp, satisfied=satisfied,
                    deficit=Resources(deficit or {}), claimed_count=claimed, bootstrap_count=0, provision_count=0,
                    same_domain="", same_satisfiable=False, parked=False, parked_age_cycles=0,
-                   unmet_since=-1 if satisfied else cycle - age, unmet_reason=reason, matching_supply=MatchingSupply(idle=0, configured=2))
+                   unmet_since=-1 if satisfied else cycle - age, unmet_reason=reason, matching_supply=MatchingSupply(idle=0, configured=2),
+                   claimed_configured=configured)
 
 
 def record(cycle: int, verdicts: list[Verdict], rows: bool, wall_ns: int) -> CycleRecord:
@@ -126,9 +129,10 @@ def test_frame_content_dedupe_and_escalation(rows: bool) -> None:
     reg, sess = _registry("c1")
     s = sender(view, table, reg)
     miss = {"cpu": 20_000}
+    configured = 1  # of the 3 machines the engine credits to `ok` (m1; m2 and m3 are on their way)
 
     def cycle(k: int, age: int) -> None:
-        vs = [verdict("c1", nok.fingerprint, True, claimed=3),
+        vs = [verdict("c1", nok.fingerprint, True, claimed=3, configured=configured),
               verdict("c1", nbad.fingerprint, False, age=age, deficit=miss, reason=UnmetReason.NO_MATCHING_SUPPLY,
                       cycle=k)]
         s.after_cycle(record(k, vs, rows, k * 1_000_000_000))
@@ -157,8 +161,9 @@ def test_frame_content_dedupe_and_escalation(rows: bool) -> None:
     assert len(frames) == 2
     v_bad = {v.fingerprint: v for v in frames[-1].need_verdicts.verdicts}[nbad.fingerprint]
     assert v_bad.escalated and v_bad.shortfall_age_cycles == 6 and v_bad.shortfall_age_seconds == 5
-    # A machine finished configuring: the counts changed, so the frame goes out.
+    # A machine finished configuring: the next cycle's counts changed, so the frame goes out.
     view.set(machine("m2", S.MACHINE_STATE_CONFIGURED, "c1", nok.fingerprint))
+    configured = 2
     cycle(16, 7)
     assert len(frames) == 3
     v_ok = {v.fingerprint: v for v in frames[-1].need_verdicts.verdicts}[nok.fingerprint]
@@ -181,7 +186,8 @@ def test_a_need_met_only_by_machines_a_paused_shard_does_not_acquire_is_reported
     reg, sess = _registry("c1")
     actuating = [False]
     s = sender(view, table, reg, actuating=lambda: actuating[0])
-    v = dataclasses.replace(verdict("c1", n.fingerprint, True, claimed=3), bootstrap_count=1, provision_count=1)
+    v = dataclasses.replace(verdict("c1", n.fingerprint, True, claimed=3, configured=1), bootstrap_count=1,
+                            provision_count=1)
     s.after_cycle(record(4, [v], rows, 4_000_000_000))
     (line,) = sess["c1"].frames[-1].need_verdicts.verdicts
     assert not line.satisfied and line.actuation_paused and line.machines_missing == 2
@@ -243,6 +249,8 @@ def test_registration_timeout_fails_only_the_reporting_clusters_configured_machi
 
 
 def test_machine_changes_alone_bring_a_cluster_into_the_next_pass() -> None:
+    """The counts are the engine's (what it credited to the need as of its cycle): a machine change
+    brings the cluster into the next pass, and the frame moves with the next decision about it."""
     n = need_from_proto(need("1"), "c1", 1)
     table = NeedsTable()
     table.replace("c1", [n], 1)
@@ -260,6 +268,8 @@ def test_machine_changes_alone_bring_a_cluster_into_the_next_pass() -> None:
     assert len(frames) == 1  # nobody said the cluster's machines changed
     s.machine_changed("c1")  # (the daemon's NodeStateUpdate routing does)
     s.after_cycle(CycleRecord(7, 7, (), rec.decision, rec.verdict_rows))
+    assert len(frames) == 1  # looked at, but the engine has not credited it as Configured yet
+    s.after_cycle(record(8, [verdict("c1", n.fingerprint, True, claimed=1, configured=1)], True, 8))
     assert len(frames) == 2
     assert [(v.machines_bound, v.machines_coming) for v in frames[-1].need_verdicts.verdicts] == [(1, 0)]
 
@@ -360,25 +370,54 @@ def test_frame_lines_equal_the_need_view_built_ones(seed: int) -> None:
         reason = UnmetReason.SATISFIED if ok else rnd.choice(list(UnmetReason)[1:])
         v = Verdict(cluster_id="c1", fingerprint=n.fingerprint, satisfied=ok,
                     deficit=Resources({} if ok else {"cpu": rnd.randint(1, 90_000), "memory": rnd.randint(0, 2**36)}),
-                    claimed_count=rnd.randint(0, 3), bootstrap_count=0, provision_count=0, same_domain="",
+                    claimed_count=(claimed := rnd.randint(0, 3)), bootstrap_count=0, provision_count=0, same_domain="",
                     same_satisfiable=False, parked=False, parked_age_cycles=0,
                     unmet_since=-1 if ok else rnd.randint(0, cycle - 1), unmet_reason=reason,
                     matching_supply=MatchingSupply(idle=rnd.randint(0, 4), configured=rnd.randint(0, 4),
                                                    speculative=rnd.randint(0, 4), capped=rnd.random() < 0.5),
                     victims_found=rnd.randint(0, 9),
-                    capacity_freed=Resources({"cpu": 1000}) if rnd.random() < 0.5 else None)
+                    capacity_freed=Resources({"cpu": 1000}) if rnd.random() < 0.5 else None,
+                    claimed_configured=rnd.randint(0, claimed))
         verdicts.append(v)
         rows[("c1", n.fingerprint)] = verdict_row(v, cycle)
     s.after_cycle(record(cycle, verdicts, rnd.random() < 0.5, cycle * 1_000_000_000))
     (frame,) = sess["c1"].frames
-    machines = s._machines("c1", ())
+    units = {m.assignment.need_fingerprint: m.effective_allocatable for m in map(view.machine, view.ids()) if m}
     by_fp = {n.fingerprint: n for n in needs}
+    by_v = {v.fingerprint: v for v in verdicts}
     assert len(frame.need_verdicts.verdicts) == len(needs)
     for got in frame.need_verdicts.verdicts:
         n = by_fp[got.fingerprint]
-        bound, coming, unit = machines.get(n.fingerprint, (0, 0, None))
+        v = by_v[n.fingerprint]
+        bound, coming, unit = v.claimed_configured, v.claimed_count - v.claimed_configured, units.get(n.fingerprint)
         want = _reference_verdict(n, rows[("c1", n.fingerprint)], cycle, bound, coming, unit,
                                   failures.get(("c1", n.fingerprint), ""), 5)
         got.ClearField("shortfall_age_seconds")
         assert got == want
         assert got.SerializeToString(deterministic=True) == want.SerializeToString(deterministic=True)
+
+
+def test_counts_follow_the_engines_credit_not_the_need_a_machine_was_made_for() -> None:
+    """A cluster's needs share its machines in precedence order, so a machine made for one need often
+    serves another. The frame counts what the engine credited to each need: here the higher-priority
+    need `hi` keeps the Configured machine made for `lo`, and `lo` the Configuring one made for `hi`
+    (counting by the need a machine was made for said `lo` was served by a Configured machine and `hi`
+    by none: a satisfied request read "0 machine(s) serve this need" in the operator's cluster)."""
+    from bigfleet.decision import EngineConfig, decide
+
+    hi, lo = need_from_proto(need("1", priority=100), "c1", 1), need_from_proto(need("1", priority=50, zone="z1"), "c1", 1)
+    table = NeedsTable()
+    table.replace("c1", [hi, lo], 1)
+    view = MachineView()
+    view.set(machine("m1", S.MACHINE_STATE_CONFIGURED, "c1", lo.fingerprint))
+    view.set(machine("m2", S.MACHINE_STATE_CONFIGURING, "c1", hi.fingerprint))
+    d = decide(table, list(view.machines()), 10**18, EngineState(cycle=3), EngineConfig())
+    by_fp = {v.fingerprint: v for v in d.verdicts}
+    assert all(v.satisfied and v.claimed_count == 1 for v in d.verdicts) and not d.actions
+    assert (by_fp[hi.fingerprint].claimed_configured, by_fp[lo.fingerprint].claimed_configured) == (1, 0)
+    reg, sess = _registry("c1")
+    s = sender(view, table, reg)
+    s.after_cycle(CycleRecord(d.state.cycle, 1, (), d, {(v.cluster_id, v.fingerprint): verdict_row(v, d.state.cycle)
+                                                       for v in d.verdicts}))
+    lines = {v.fingerprint: (v.machines_bound, v.machines_coming) for v in sess["c1"].frames[-1].need_verdicts.verdicts}
+    assert lines == {hi.fingerprint: (1, 0), lo.fingerprint: (0, 1)}

@@ -301,6 +301,9 @@ class Verdict:
     capacity_freed: Resources | None = None
     #: set when this need was folded (sub-machine gang → plain need) into another row
     folded_into: str = ""
+    #: of `claimed_count`, the machines Configured now (the rest are on their way: Configuring,
+    #: Creating, or acquired this cycle); what the need's cluster is told serves it
+    claimed_configured: int = 0
 
     def age_at(self, cycle: int) -> int:
         """Consecutive cycles unmet as of the decision whose state carries ``cycle`` (0 when met)."""

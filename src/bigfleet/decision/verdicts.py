@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from bigfleet.needs import EMPTY, Resources
 
 from .index import (
@@ -10,7 +12,7 @@ from .index import (
     SPEC,
 )
 from .records import build_fast
-from .scratch import CycleScratch, NeedRow
+from .scratch import CONFIGURED_STATE, CycleScratch, NeedRow
 from .types import (
     MatchingSupply,
     UnmetReason,
@@ -52,6 +54,7 @@ def unmet_reason(cy: CycleScratch, n: NeedRow, unsat: bool, supply: MatchingSupp
 
 
 _NO_SUPPLY = MatchingSupply()
+_STATE = attrgetter("state")
 
 
 def _resources(cy: CycleScratch, v: Vec) -> Resources:
@@ -78,6 +81,7 @@ def need_verdicts(cy: CycleScratch, n: NeedRow, unsat: bool) -> list[Verdict]:
         "parked_age_cycles": n.park_age, "unmet_since": cy.cycle - n.unmet_age if unsat else -1,
         "unmet_reason": reason, "matching_supply": supply, "victims_found": n.victims,
         "capacity_freed": freed, "folded_into": into,
+        "claimed_configured": list(map(_STATE, n.claimed)).count(CONFIGURED_STATE),
     }
     out = []
     for m in members:

@@ -108,7 +108,7 @@ def verdict_row(v: Verdict, cycle: int) -> tuple[Any, ...]:
             int(v.unmet_reason),
             v.deficit.items() if not v.satisfied else (),
             (ms.idle, ms.configured, ms.speculative, ms.capped), v.victims_found,
-            v.capacity_freed.items() if v.capacity_freed is not None else ())
+            v.capacity_freed.items() if v.capacity_freed is not None else (), v.claimed_configured)
 
 
 def row_resources(pairs: tuple[tuple[str, int], ...]) -> dict[str, str]:

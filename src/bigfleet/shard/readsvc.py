@@ -244,7 +244,7 @@ def _fill_from_verdict(view: shardread_pb2.NeedView, v: Verdict, cycle: int) -> 
 def _fill_from_row(view: shardread_pb2.NeedView, row: tuple[Any, ...], cycle: int) -> None:
     """The worker/fork-mode twin of `_fill_from_verdict` (row layout: engineproc.verdict_row)."""
     (satisfied, claimed, boot, prov, domain, same_sat, parked, parked_since, unmet_since, reason, deficit,
-     ms, victims, freed) = row
+     ms, victims, freed, _configured) = row
     parked_age, age_unmet = row_age(parked_since, cycle), row_age(unmet_since, cycle)
     view.satisfied = bool(satisfied)
     view.claimed_machine_count = int(claimed)

@@ -1,8 +1,8 @@
 """Per-need verdicts to operators, and the operator's node-registration reports.
 
 After a cycle, each connected cluster whose verdicts changed gets a ``NeedVerdicts`` frame: for every
-need the cycle decided on, whether it is met, the engine's unmet reason, the machines serving it
-(Configured), coming (being created or configured) and missing, the shortfall's age and whether it
+need the cycle decided on, whether it is met, the engine's unmet reason, the machines the engine
+credits to it (Configured, and coming: being created or configured) and missing, the shortfall's age and whether it
 escalated. Operators turn it into CapacityRequest conditions and Events (issue #18).
 
 What it costs on the session loop is bounded like the capacity hints (``hints.py``):
@@ -11,8 +11,8 @@ What it costs on the session loop is bounded like the capacity hints (``hints.py
   (cycles in between are coalesced);
 * a pass looks only at clusters that may have changed: verdict rows that are not the same objects
   as the last pass's (the engine worker and the inline engine both reuse the objects of unchanged
-  needs), clusters one of whose machines changed state (the view's NodeStateUpdate routing tells:
-  bound and coming counts move without a verdict changing), a shortfall about to escalate, new
+  needs), clusters one of whose machines changed state (the view's NodeStateUpdate routing tells),
+  a shortfall about to escalate, new
   sessions, and once every ``sweep`` seconds every cluster (a safety net);
 * a frame is sent only when its content changed, ages aside: a persisting shortfall's ages are
   refreshed at most every ``refresh`` seconds;
@@ -34,6 +34,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 from bigfleet.machine import MachineState
@@ -52,7 +53,6 @@ log = get_logger("bigfleet.shard.verdicts")
 
 RowKey = tuple[str, str]
 M = MachineState
-_COMING = frozenset({M.CREATING, M.CONFIGURING})
 _MAX_NODE_NAME = 253
 
 
@@ -265,33 +265,16 @@ class NeedVerdictSender:
             out.setdefault(cid, []).append(mid)
         return out
 
-    def _machines(self, cluster_id: str, reserved: Iterable[str]) -> dict[str, list[Any]]:
-        """fingerprint → [bound, coming, a machine's allocatable] for the cluster's machines."""
+    def _units(self, cluster_id: str, reserved: Iterable[str]) -> dict[str, Resources]:
+        """fingerprint → the allocatable of a machine made for that need (the cluster's own, or being
+        created for it): the size in which a short need counts its missing machines."""
         view = self.view
         # MachineView keeps a cluster → machine ids index for Hello replays; read it, do not scan.
-        ids = view.cluster_ids(cluster_id)
-        out: dict[str, list[Any]] = {}
-        for being_created, group in ((False, ids), (True, reserved)):
-            for mid in group:
-                if being_created and mid in ids:
-                    continue  # (its record names the cluster already: counted above)
-                m = view.machine(mid)
-                if m is None:
-                    continue
-                fp = m.assignment.need_fingerprint
-                if not fp:
-                    continue
-                st = m.state
-                if st is M.CONFIGURED:
-                    slot = 0
-                elif st in _COMING or (being_created and st is M.IDLE):
-                    slot = 1  # (a new machine is Idle for a moment between its Create and Configure)
-                else:
-                    continue
-                e = out.get(fp)
-                if e is None:
-                    e = out[fp] = [0, 0, m.effective_allocatable]
-                e[slot] += 1
+        out: dict[str, Resources] = {}
+        for mid in chain(view.cluster_ids(cluster_id), reserved):
+            m = view.machine(mid)
+            if m is not None and m.assignment.need_fingerprint and m.assignment.need_fingerprint not in out:
+                out[m.assignment.need_fingerprint] = m.effective_allocatable
         return out
 
     def _cluster_frame(self, rec: CycleRecord, rows: Mapping[RowKey, Any], cluster_id: str,
@@ -304,14 +287,14 @@ class NeedVerdictSender:
             return None
         needs: tuple[Need, ...] = self.table().cluster(cluster_id)
         cycle = rec.decision.state.cycle if rec.decision is not None else 0
-        machines = self._machines(cluster_id, reserved) if needs else {}
+        units = self._units(cluster_id, reserved) if needs else {}
         entries: list[_Entry] = []
         escalates_at: int | None = None
         for n in needs:
             r = rows.get((cluster_id, n.fingerprint))
             if r is None:
                 continue  # not decided on yet (a roll-up newer than the cycle)
-            e = self._entry(n, r if isinstance(r, tuple) else verdict_row(r, cycle), cycle, machines)
+            e = self._entry(n, r if isinstance(r, tuple) else verdict_row(r, cycle), cycle, units)
             entries.append(e)
             if not e.satisfied and not e.escalated and not e.paused:
                 at = e.since + self.escalation_after + 1
@@ -334,16 +317,22 @@ class NeedVerdictSender:
             self._fill(frame.verdicts.add(), e, rec.computed_at_unix_nanos)
         return shard_pb2.ShardMessage(need_verdicts=frame)
 
-    def _entry(self, n: Need, row: tuple[Any, ...], cycle: int, machines: Mapping[str, list[Any]]) -> _Entry:
+    def _entry(self, n: Need, row: tuple[Any, ...], cycle: int, units: Mapping[str, Resources]) -> _Entry:
         """One need's verdict as plain values (row layout: engineproc.verdict_row)."""
         satisfied = bool(row[0])
         reason = int(row[9])
-        bound, coming, unit = machines.get(n.fingerprint, (0, 0, None))
+        unit = units.get(n.fingerprint)
         error = self.bootstrap_failures.get((n.cluster_id, n.fingerprint), "")[:1024]
         chosen = int(row[2]) + int(row[3])  # machines this cycle chose for it (Configure, Create)
+        # What serves the need is what the engine credited to it, not the need a machine was first
+        # acquired for: a cluster's needs share its machines in precedence order, so a machine made
+        # for one need often serves another (which then read "0 machine(s) serve this need").
+        bound = int(row[14])
+        on_the_way = int(row[1]) - chosen - bound
         if satisfied and chosen and not self.actuating():
-            return _Entry(n.fingerprint, False, 0, bound, coming, error, supply=tuple(row[11]), missing=chosen,
+            return _Entry(n.fingerprint, False, 0, bound, on_the_way, error, supply=tuple(row[11]), missing=chosen,
                           paused=True)  # (no streak, no age: nothing is short but the switch)
+        coming = on_the_way + (chosen if self.actuating() else 0)
         e = _Entry(n.fingerprint, satisfied, reason if reason <= 4 else 0, bound, coming, error)
         if not satisfied:
             e.age = row_age(row[8], cycle)
