@@ -298,6 +298,28 @@ async def test_a_dead_redirect_target_falls_back_to_the_configured_address(kube:
         await leader.stop()
 
 
+async def test_a_dropped_session_on_a_redirect_target_asks_the_configured_address(kube: KubeTestServer, api: Any,
+                                                                                 shard: FakeShard) -> None:
+    """A session on the leader a redirect named ends UNAVAILABLE without a redirect (the keepalive gave
+    up on a frozen leader): the next attempt asks the configured address, not the old leader (whose
+    connect alone would take the whole connect timeout when it is frozen)."""
+    leader = await FakeShard().start()
+    try:
+        shard.refuse_with_redirect = leader.target
+        op = make_op(api, shard)
+        op.session.backoff = Backoff(initial=0.2, cap=0.2)
+        async with running(op):
+            await eventually(lambda: "c1" in leader.conns and leader.rollups, timeout=10, what="session on the leader")
+            shard.refuse_with_redirect = ""  # the configured replica leads now; the old leader still accepts
+            hellos = len(leader.hellos)
+            leader.close_with("c1", grpc.StatusCode.UNAVAILABLE, "Stream removed (ping timeout)")
+            await eventually(lambda: "c1" in shard.conns and shard.rollups, timeout=10,
+                             what="session on the configured address")
+            assert len(leader.hellos) == hellos  # the old leader was not asked again
+    finally:
+        await leader.stop()
+
+
 async def test_a_redirect_back_to_a_former_session_target_is_followed(kube: KubeTestServer, api: Any,
                                                                      shard: FakeShard) -> None:
     """After falling back to the configured address, its redirect to the leader the operator had a

@@ -327,7 +327,7 @@ class SessionClient:
         """Keep one session open until cancelled."""
         while True:
             self._redirect_to = None
-            opened, status_lost = self.sessions, False
+            opened, status_lost, dropped = self.sessions, False, False
             target: str | None = None
             try:
                 target = await self.resolver.resolve()
@@ -340,6 +340,7 @@ class SessionClient:
                     if k == REDIRECT_METADATA_KEY and v:
                         self._redirect_to = str(v)
                 status_lost = exc.code() == grpc.StatusCode.INTERNAL
+                dropped = exc.code() == grpc.StatusCode.UNAVAILABLE
             except Exception as exc:
                 log.warning("session ended", error=f"{type(exc).__name__}: {exc}"[:300])
             self.metrics.reconnects.inc()
@@ -358,7 +359,11 @@ class SessionClient:
                 self.resolver.redirect(self.target)
                 await asyncio.sleep(0.1)
                 continue
-            if target is not None and self.sessions == opened:
+            # A session that never opened, or an open one the transport dropped without a redirect
+            # (the keepalive gave up on a frozen leader, the connection reset), says nothing about
+            # who leads now: redialling a frozen leader would cost a whole connect timeout, asking
+            # the configured address costs one redirect.
+            if target is not None and (self.sessions == opened or dropped):
                 self.resolver.failed(target)
             await asyncio.sleep(self.backoff.next())
 
