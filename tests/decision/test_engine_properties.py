@@ -311,3 +311,30 @@ def test_bulk_crediting_equals_machine_by_machine_on_dense_classes(ms: list[Mach
     with mock.patch.object(credit, "_take_runs", lambda *a: False):
         slow = _decide(ns, ms, ready, EngineConfig(reclaim_cap_fraction=0))
     assert fast == slow
+
+
+@SETTINGS
+@given(machines(), needs(), st.frozensets(st.sampled_from(CLUSTERS)))
+def test_claimed_configured_counts_the_configured_machines_credited(ms: list[Machine], ns: list[Need],
+                                                                   ready: frozenset[str]) -> None:
+    """`Verdict.claimed_configured` (what the shard tells a cluster serves each need) counts the
+    Configured machines among the ones credited to the need: never more than it credited, all of them
+    in a cluster without Configuring machines, and never more than the cluster holds in all."""
+    d = _decide(ns, ms, ready)
+    conf: dict[str, int] = {}
+    configuring: set[str] = set()
+    for m in ms:
+        if m.state is S.CONFIGURED:
+            conf[m.cluster] = conf.get(m.cluster, 0) + 1
+        elif m.cluster:
+            configuring.add(m.cluster)
+    total: dict[str, int] = {}
+    for v in d.verdicts:
+        credited = v.claimed_count - v.bootstrap_count - v.provision_count
+        assert 0 <= v.claimed_configured <= credited, v
+        if v.cluster_id not in configuring and not any(m.state is S.CREATING for m in ms):
+            assert v.claimed_configured == credited, v
+        if not v.folded_into:
+            total[v.cluster_id] = total.get(v.cluster_id, 0) + v.claimed_configured
+    for c, k in total.items():
+        assert k <= conf.get(c, 0), (c, k, conf)

@@ -51,6 +51,7 @@ def hold(cy: CycleScratch, m: Machine, n: NeedRow) -> None:
     n.credited += 1
     if m.state is CONFIGURED_STATE:
         cy.hconf[n.cluster] = cy.hconf.get(n.cluster, 0) + 1
+        n.conf_credited += 1
 
 
 class _Run:
@@ -231,6 +232,7 @@ def _take_runs(cy: CycleScratch, n: NeedRow, state: int, runs: list[_Run]) -> bo
     n.credited += all_taken
     if state == CONFIGURED and all_taken:
         cy.hconf[n.cluster] = cy.hconf.get(n.cluster, 0) + all_taken
+        n.conf_credited += all_taken
     return clean
 
 

@@ -42,6 +42,7 @@ class NeedRow:
         "arrival",
         "claimed",
         "cluster",
+        "conf_credited",
         "credited",
         "fp",
         "freed",
@@ -93,6 +94,8 @@ class NeedRow:
         self.reserved_credit = False
         self.claimed: list[Machine] = []
         self.credited = 0
+        #: of `claimed`, the Configured machines (credited in Phase 1; nothing else claims one)
+        self.conf_credited = 0
         self.acquired_idle: list[Machine] = []
         self.acquired_spec: list[Machine] = []
         self.same_domain = ""

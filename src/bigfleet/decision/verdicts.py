@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from operator import attrgetter
-
 from bigfleet.needs import EMPTY, Resources
 
 from .index import (
@@ -12,7 +10,7 @@ from .index import (
     SPEC,
 )
 from .records import build_fast
-from .scratch import CONFIGURED_STATE, CycleScratch, NeedRow
+from .scratch import CycleScratch, NeedRow
 from .types import (
     MatchingSupply,
     UnmetReason,
@@ -54,7 +52,6 @@ def unmet_reason(cy: CycleScratch, n: NeedRow, unsat: bool, supply: MatchingSupp
 
 
 _NO_SUPPLY = MatchingSupply()
-_STATE = attrgetter("state")
 
 
 def _resources(cy: CycleScratch, v: Vec) -> Resources:
@@ -81,7 +78,7 @@ def need_verdicts(cy: CycleScratch, n: NeedRow, unsat: bool) -> list[Verdict]:
         "parked_age_cycles": n.park_age, "unmet_since": cy.cycle - n.unmet_age if unsat else -1,
         "unmet_reason": reason, "matching_supply": supply, "victims_found": n.victims,
         "capacity_freed": freed, "folded_into": into,
-        "claimed_configured": list(map(_STATE, n.claimed)).count(CONFIGURED_STATE),
+        "claimed_configured": n.conf_credited,
     }
     out = []
     for m in members:
