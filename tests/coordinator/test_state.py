@@ -150,6 +150,60 @@ def test_adopt_failures_fall_back_to_the_releasing_shard() -> None:
     check_loads(st)
 
 
+def test_removing_the_adopter_mid_adopt_hands_everything_back() -> None:
+    """The releasing shard already let go of the cluster and its machines: aborting would leave
+    them with no shard (and the old shard refusing the cluster for good)."""
+    st = FleetState()
+    tid = _handoff(st)
+    [rel] = st.pending("a")
+    ack(st, "a", rel.instruction_id, ACCEPTED, ["m1"])
+    r = st.apply({"op": "remove_shard", "shard_id": "b", "now": 20})
+    t = st.transfers[tid]
+    assert r["unbound_clusters"] == [] and t.phase == ADOPTING and t.adopter == "a"
+    assert st.bindings["c"].shard_id == "a" and st.bindings["c"].epoch == 3
+    [back] = st.pending("a")
+    assert back.payload["kind"] == "adopt_cluster" and back.payload["machine_ids"] == ["m1"]
+    ack(st, "a", back.instruction_id)
+    assert t.phase == DONE
+    check_loads(st)
+
+
+def test_removing_the_releasing_shard_mid_adopt_lets_the_adoption_finish() -> None:
+    st = FleetState()
+    tid = _handoff(st)
+    [rel] = st.pending("a")
+    ack(st, "a", rel.instruction_id, ACCEPTED, ["m1"])
+    [ad] = st.pending("b")
+    st.apply({"op": "remove_shard", "shard_id": "a", "now": 20})
+    assert st.transfers[tid].phase == ADOPTING and st.pending("b") == [ad] and st.bindings["c"].shard_id == "b"
+    ack(st, "b", ad.instruction_id)
+    assert st.transfers[tid].phase == DONE
+    check_loads(st)
+
+
+def test_removing_a_shard_before_the_release_aborts() -> None:
+    st = FleetState()
+    tid = _handoff(st)
+    st.apply({"op": "remove_shard", "shard_id": "b", "now": 20})
+    assert st.transfers[tid].phase == "aborted" and st.pending("a") == [] and st.bindings["c"].shard_id == "a"
+
+
+def test_removing_the_recipient_of_an_inventory_transfer_mid_adopt_returns_the_machines() -> None:
+    st = FleetState()
+    hb(st, "d")
+    hb(st, "r")
+    st.apply({"op": "start_transfer", "transfer_id": "t", "kind": "inventory", "from": "d", "to": "r", "now": 1,
+              "requirements": [], "deficit": {"cpu": "8"}})
+    [rel] = st.pending("d")
+    ack(st, "d", rel.instruction_id, ACCEPTED, ["i1"])
+    st.apply({"op": "remove_shard", "shard_id": "r", "now": 20})
+    [back] = st.pending("d")
+    assert back.payload["kind"] == "transfer_ownership" and back.payload["machine_ids"] == ["i1"]
+    assert back.payload["to_shard_id"] == "d"
+    ack(st, "d", back.instruction_id)
+    assert st.transfers["t"].phase == DONE
+
+
 def test_inventory_transfer_two_phases_and_one_per_shard() -> None:
     st = FleetState()
     hb(st, "d")

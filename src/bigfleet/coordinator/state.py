@@ -202,6 +202,16 @@ class FleetState:
             old = self.finished.pop(0)
             self.transfers.pop(old, None)
 
+    def _hand_back(self, t: Transfer, now: int) -> None:
+        """The releasing shard adopts what it released (and serves the cluster again, epoch +1)."""
+        t.adopter = t.from_shard
+        t.adopt_attempts = 0
+        b = self.bindings.get(t.cluster_id) if t.kind == KIND_CLUSTER else None
+        if b is not None and b.shard_id != t.from_shard:
+            self._set_binding_shard(t.cluster_id, t.from_shard)
+            b.epoch += 1
+        self._send_adopt(t, now)
+
     def _send_adopt(self, t: Transfer, now: int) -> None:
         adopter = t.adopter or t.to_shard
         if t.kind == KIND_CLUSTER:
@@ -307,20 +317,38 @@ def _remove_shard(st: FleetState, cmd: dict[str, Any]) -> dict[str, Any]:
     if sid not in st.shards:
         return {"code": NOT_FOUND, "error": f"shard {sid!r} not registered"}
     del st.shards[sid]
+    st.queues.pop(sid, None)
+    for t in st.active_transfers():
+        if sid in (t.from_shard, t.to_shard, t.adopter):
+            _transfer_without(st, t, sid, now)
     unbound = sorted(c for c, b in st.bindings.items() if b.shard_id == sid)
     for c in unbound:
         st._set_binding_shard(c, None)
     for dk in [dk for dk, (_, _, s) in st.domains.items() if s == sid]:
         del st.domains[dk]
-    st.queues.pop(sid, None)
-    for t in st.active_transfers():
-        if sid in (t.from_shard, t.to_shard):
-            # Drop the other side's pending instruction for this transfer too.
-            for q in st.queues.values():
-                for iid in [iid for iid, i in q.items() if i.transfer_id == t.transfer_id]:
-                    del q[iid]
-            st._finish(t, ABORTED, now, f"shard {sid} removed")
     return {"code": OK, "unbound_clusters": unbound}
+
+
+def _transfer_without(st: FleetState, t: Transfer, sid: str, now: int) -> None:
+    """A transfer one of whose shards was removed.
+
+    Once the releasing shard has released (``adopting``) its machines are in nobody's inventory
+    until an adoption lands, so aborting would lose them (and a released cluster is refused by its
+    old shard for good): a live adopter still adopts them; a removed adopter's share goes back to
+    the releasing shard. Before the release, or with both sides gone, the transfer is aborted; a
+    release acknowledged after that is handed back by ``_ack``."""
+    if t.phase == ADOPTING and (t.adopter or t.to_shard) != sid:
+        return
+    if t.phase == ADOPTING and t.from_shard != sid and t.from_shard in st.shards:
+        t.reason = f"shard {sid} removed; returning machines to the releasing shard"
+        t.updated_at_ns = now
+        st._hand_back(t, now)
+        return
+    # Drop the other side's pending instruction for this transfer too.
+    for q in st.queues.values():
+        for iid in [iid for iid, i in q.items() if i.transfer_id == t.transfer_id]:
+            del q[iid]
+    st._finish(t, ABORTED, now, f"shard {sid} removed")
 
 
 def _bind_cluster(st: FleetState, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -427,13 +455,7 @@ def _ack(st: FleetState, cmd: dict[str, Any]) -> dict[str, Any]:
                 st._send_adopt(t, now)
             elif t.adopter != t.from_shard and t.from_shard in st.shards:
                 # Hand everything back to the releasing shard: no machine may be left ownerless.
-                t.adopter = t.from_shard
-                t.adopt_attempts = 0
-                if t.kind == KIND_CLUSTER and t.cluster_id in st.bindings:
-                    b = st.bindings[t.cluster_id]
-                    st._set_binding_shard(t.cluster_id, t.from_shard)
-                    b.epoch += 1
-                st._send_adopt(t, now)
+                st._hand_back(t, now)
             else:
                 st._finish(t, ABORTED, now, t.reason)
     return {"code": OK, "cleared": cleared}
