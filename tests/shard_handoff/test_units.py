@@ -144,6 +144,17 @@ def test_drain_victims_lower_priority_lowest_score_first() -> None:
     assert MachineState.CONFIGURED in {x.state for x in ms}
 
 
+def test_drain_victims_already_draining_come_first() -> None:
+    """A redelivered drain (after a kill -9 or failover) finishes the drain the previous leader had
+    started rather than disrupting another machine; higher-priority drains are still never taken."""
+    ms = [m("c1", S.MACHINE_STATE_CONFIGURED, cluster="k", priority=10, penalty=0.0),
+          m("d1", S.MACHINE_STATE_DRAINING, cluster="k", priority=10, penalty=5.0),
+          m("d2", S.MACHINE_STATE_DRAINING, cluster="k", priority=100, penalty=0.0)]
+    assert pick_drain_victims(ms, set(), 50, [], Resources.parse({"cpu": "2"})) == ["d1"]
+    assert pick_drain_victims(ms, set(), 50, [], Resources.parse({"cpu": "8"})) == ["d1", "c1"]
+    assert pick_drain_victims(ms, {"d1"}, 50, [], Resources.parse({"cpu": "2"})) == ["c1"]  # in flight here
+
+
 CPU8 = Resources.parse({"cpu": "8"})
 
 

@@ -148,12 +148,18 @@ def victim_score(m: Machine) -> tuple[float, int, str]:
 def pick_drain_victims(machines: Iterable[Machine], busy: frozenset[str] | set[str], preemptor_priority: int,
                        reqs: Sequence[capacity_pb2.NodeSelectorRequirement], deficit: Resources,
                        min_unit: Resources = EMPTY_RESOURCES, limit: int = 64) -> list[str]:
-    """Tier 2: configured machines of strictly lower priority that can serve the need (:func:`_serves`),
-    lowest score first. None qualifies: nothing is drained."""
+    """Tier 2: machines of strictly lower priority that can serve the need (:func:`_serves`), lowest
+    score first. None qualifies: nothing is drained.
+
+    Machines already Draining come first: their cluster was told and the provider is at it, so taking
+    them disrupts no one new. That is the drain a killed or deposed leader had started for this very
+    instruction when the coordinator redelivers it; picking a fresh victim instead disrupted a second
+    machine and let the engine configure the first one back once its drain ended. (Drains this
+    process runs are in flight, hence ``busy``.)"""
     ok = _serves(reqs, min_unit)
-    cands = [m for m in machines if m.id not in busy and m.state is MachineState.CONFIGURED
+    cands = [m for m in machines if m.id not in busy and m.state in (MachineState.CONFIGURED, MachineState.DRAINING)
              and m.assignment.priority < preemptor_priority and ok(m)]
-    cands.sort(key=victim_score)
+    cands.sort(key=lambda m: (m.state is not MachineState.DRAINING, victim_score(m)))
     return _cover(cands, deficit, min_unit, limit)
 
 
@@ -386,9 +392,11 @@ class ShardHandoff(BaseInstructionHandler):
                                      msg.preemptor_priority, msg.requirements, _resources(msg.deficit, "deficit"),
                                      _resources(msg.min_unit, "min_unit"))
         # A cross-shard preemption is a disruption like any other: it fits the victims' budgets or waits.
-        owners = {mid: (m.cluster if (m := d.view.machine(mid)) is not None else "") for mid in ids}
-        allowed = await d.budgets.admit([Candidate(owners[mid], mid, "preempt") for mid in ids])
-        ids = [mid for mid in ids if mid in allowed]
+        # A victim already Draining was admitted when its drain started.
+        fresh = {mid: m.cluster for mid in ids if (m := d.view.machine(mid)) is not None
+                 and m.state is MachineState.CONFIGURED}
+        allowed = await d.budgets.admit([Candidate(cluster, mid, "preempt") for mid, cluster in fresh.items()])
+        ids = [mid for mid in ids if mid in allowed or mid not in fresh]
         victims = list(ids)
         d.frozen_machines.update(victims)  # the engine neither re-uses nor re-drains them meanwhile
         try:
