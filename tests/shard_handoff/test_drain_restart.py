@@ -15,6 +15,7 @@ provider behind a recording spy, and operator stand-ins that re-resolve their sh
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -39,7 +40,11 @@ def shard_args(sid: str, coord: list[str], *extra: str) -> tuple[str, ...]:
 
 
 @pytest.mark.timeout(300)
-async def test_restarted_shard_finishes_the_cross_shard_drain_it_had_started(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kill_at", ["draining", "queued"])
+async def test_restarted_shard_carries_out_the_redelivered_cross_shard_drain(tmp_path: Path, kill_at: str) -> None:
+    """``draining``: killed once the provider drains the victim. ``queued``: the shard is stopped
+    (SIGSTOP) before the coordinator queues the drain and killed while it is queued, so the restarted
+    shard gets it on its first report, before any operator has reconnected."""
     low = next(c for c in (f"low-{i}" for i in range(100)) if preferred(c, [A, B]) == A)
     high = next(c for c in (f"high-{i}" for i in range(100)) if preferred(c, [A, B]) == B)
     g = CoordGroup(tmp_path / "coord", 3, extra=("--rebalance-interval", "0.5", "--transfer-cooldown", "1"))
@@ -73,21 +78,25 @@ async def test_restarted_shard_finishes_the_cross_shard_drain_it_had_started(tmp
         await until(lambda: _has(shards, B), 60, "shard B registered")
         assert (await client.call("LookupCluster", pb.LookupClusterRequest(cluster_id=high))).shard_id == B
         t0 = time.monotonic()
+        assert a.proc is not None
+        if kill_at == "queued":
+            a.proc.signal(signal.SIGSTOP)
         ops.append(RoutedOperator(g.addresses, high, cpu=UNIT, priority=HIGH, count=1).start())
 
-        # Tier 2: A drains one of low's hosts for high. Kill A once the provider is draining it.
-        drains = await until(lambda: [c for c in spy.mutating(A, since=t0) if c.rpc == "Drain"], 120,
-                             "shard A draining a victim")
-        victim = drains[0].machine_id
-        assert a.proc is not None
+        # Tier 2: A drains one of low's hosts for high.
+        if kill_at == "queued":
+            await until(lambda: _drain_queued(client, A), 120, "a cross-shard drain queued for shard A")
+        else:
+            await until(lambda: [c for c in spy.mutating(A, since=t0) if c.rpc == "Drain"], 120,
+                        "shard A draining a victim")
         a.proc.kill()
         a.proc = None
         a = await ShardProc(spy_addr, data_dir=a.data_dir, addr=a.addr, extra=shard_args(A, g.addresses)).start()
 
         await until(lambda: _equals(configured, {low: 2, high: 1}), 90, "high served with the drained host")
-        assert [m.cluster for m in await spy.machines() if m.id == victim] == [high]
-        assert [c.machine_id for c in spy.mutating(A, since=t0) if c.rpc == "Drain"] == [victim], \
-            "a second victim was drained"
+        drained = [c.machine_id for c in spy.mutating(A, since=t0) if c.rpc == "Drain"]
+        assert len(drained) == 1, f"a second victim was drained: {drained}"
+        assert [m.cluster for m in await spy.machines() if m.id == drained[0]] == [high]
         assert not violations(spy, ops, list((await client.call("ListTransfers", pb.ListTransfersRequest())).transfers))
     except BaseException:
         for name, s in (("A", a), ("B", b)):
@@ -114,3 +123,8 @@ async def _has(shards: object, sid: str) -> bool:
 
 async def _equals(configured: object, want: dict[str, int]) -> bool:
     return bool(await configured() == want)  # type: ignore[operator]
+
+
+async def _drain_queued(client: CoordinatorClient, frm: str) -> bool:
+    ts = (await client.call("ListTransfers", pb.ListTransfersRequest())).transfers
+    return any(t.kind == "drain" and t.from_shard_id == frm and t.phase == "releasing" for t in ts)
