@@ -354,3 +354,29 @@ async def test_resolver_and_client_follow_a_dialable_hint_and_skip_an_undialable
     finally:
         for r in (blind, refuses, leader):
             await r.stop()
+
+
+async def test_a_frozen_replica_costs_the_client_a_short_wait_not_its_timeout() -> None:
+    """A SIGSTOPped coordinator (or a hung host) accepts TCP but never answers: the client tries the
+    next address after a short connect wait instead of spending its whole timeout on it (bigfleetctl
+    with the leader frozen took its full --timeout). A refused address still fails over at once."""
+    import socket
+
+    frozen = socket.socket()
+    frozen.bind(("127.0.0.1", 0))
+    frozen.listen(16)  # the kernel completes handshakes; nobody ever reads
+    leader = await Replica(StandIn()).start()
+    try:
+        for first in (f"127.0.0.1:{frozen.getsockname()[1]}", f"127.0.0.1:{free_port()}"):
+            client = CoordinatorClient([first, leader.addr], timeout=20.0)
+            try:
+                t0 = time.monotonic()
+                resp = await client.call("LookupCluster", pb.LookupClusterRequest(cluster_id="c1"))
+                took = time.monotonic() - t0
+            finally:
+                await client.close()
+            assert resp.shard_address == "s0:7780" and client.leader == leader.addr
+            assert took < 8.0, f"{first}: {took:.1f}s"
+    finally:
+        await leader.stop()
+        frozen.close()

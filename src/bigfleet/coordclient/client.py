@@ -62,6 +62,12 @@ class UnsupportedInstruction(Exception):
     """Raised by a handler for an instruction kind it does not implement (acked REJECTED_INVALID)."""
 
 
+#: how long a replica with others behind it may take to connect before the next is tried
+CONNECT_WAIT = 2.0
+_SETTLED = frozenset({grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                      grpc.ChannelConnectivity.SHUTDOWN})
+
+
 def leader_hint(err: grpc.aio.AioRpcError) -> str:
     """The leader address a "not leader" refusal names: the ``bigfleet-leader`` trailer, else
     ``leader=HOST:PORT`` in the details ("" when it names none)."""
@@ -109,6 +115,26 @@ class CoordinatorClient:
             self._channels[addr] = ch
         return ch
 
+    async def _ready(self, addr: str, timeout: float) -> bool:
+        """Whether ``addr`` completes a connection within a short wait. A frozen replica (SIGSTOP,
+        a hung host) accepts TCP but never speaks HTTP/2: calling it would spend the whole timeout
+        before the next address is tried. Only asked while other addresses remain."""
+        ch = self._channel(addr)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(CONNECT_WAIT, timeout / 2)
+        state = ch.get_state(try_to_connect=True)
+        # (a refused or unresolvable address is TRANSIENT_FAILURE at once: its call fails fast as before)
+        while state not in _SETTLED:
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(ch.wait_for_state_change(state), left)
+            except TimeoutError:
+                return False
+            state = ch.get_state(try_to_connect=True)
+        return True
+
     def stub(self, addr: str) -> pbg.CoordinatorStub:
         return pbg.CoordinatorStub(self._channel(addr))
 
@@ -143,6 +169,11 @@ class CoordinatorClient:
             if addr in tried:
                 continue
             tried.add(addr)
+            if order and not await self._ready(addr, timeout):
+                errors.append(f"{addr}: not answering")
+                if self._leader == addr:
+                    self._leader = None
+                continue
             try:
                 resp = await getattr(self.stub(addr), method)(request, timeout=timeout)
             except grpc.aio.AioRpcError as err:
