@@ -95,7 +95,11 @@ async def test_paused_leader_is_fenced_and_steps_down() -> None:
             if x.machine_id in new_touched:
                 assert x.code == grpc.StatusCode.FAILED_PRECONDITION, x
         if any(x.code == grpc.StatusCode.FAILED_PRECONDITION for x in late):
-            assert "fenced by the provider" in old.logs()
+            # The refusal is logged; it deposes the replica unless Raft did so first (the resumed
+            # replica's lost leadership and its late Creates' answers race, seen in a full run).
+            logs = old.logs()
+            assert "fenced by provider (zombie shard?)" in logs
+            assert "fenced by the provider: a newer epoch acted" in logs or "reason='lost raft leadership'" in logs
         machines = await g.machines()
         per_cluster = Counter(m.cluster for m in machines if m.cluster)
         assert per_cluster == {"c0": 2, "c1": 2}, per_cluster
