@@ -25,9 +25,11 @@ def test_unknown_subcommand_is_an_error() -> None:
 
 
 def test_console_script_runs() -> None:
-    proc = subprocess.run([sys.executable, "-m", "bigfleet.cli.main", "--help"], capture_output=True, text=True)
-    assert proc.returncode == 0
-    assert "subcommands" in proc.stdout
+    for module in ("bigfleet.cli.main", "bigfleet"):  # (`python -m bigfleet` too)
+        proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True)
+        assert proc.returncode == 0, (module, proc.stderr)
+        assert "subcommands" in proc.stdout
+    assert subprocess.run([sys.executable, "-m", "bigfleet", "no-such-thing"], capture_output=True).returncode == 2
 
 
 def _busy_port() -> tuple[socket.socket, str]:
