@@ -391,3 +391,70 @@ async def test_long_waits_get_a_direct_look_not_a_full_list() -> None:
         assert sum(1 for c in cursors if not c) == 1  # only the very first watch List was a full one
         assert r.executor.confirm_gets >= 6  # each long-waiting flow was looked at directly
         assert r.rpcs("Get") == r.executor.confirm_gets
+
+
+class _QuotaStub:
+    """The provider's stub, but Create is refused RESOURCE_EXHAUSTED (a cloud out of capacity or
+    quota) while `refusing` is set."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.refusing = True
+        self.refused = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    async def Create(self, req: provider_pb2.CreateRequest, timeout: float) -> provider_pb2.TransitionAck:
+        if self.refusing:
+            self.refused += 1
+            import grpc
+
+            raise grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       details="InsufficientInstanceCapacity")
+        out: provider_pb2.TransitionAck = await self.real.Create(req, timeout=timeout)
+        return out
+
+
+async def test_a_create_refused_for_capacity_cools_the_slot_down_instead_of_failing_it() -> None:
+    """RESOURCE_EXHAUSTED through every retry on a slot still Speculative at the provider: shown FAILED
+    with the reason for the cool-down, then offered again (it used to stay FAILED for the whole
+    leadership term: a quota error burned the pool within seconds)."""
+    import grpc
+
+    from bigfleet.v1alpha1 import provider_pb2_grpc
+
+    cloud = SimulatedCloud(build_catalog(3), "fake", Dwell(), None)
+    provider = await serve(cloud, options=KitOptions(list_seed=1))
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{provider.port}")
+    stub = _QuotaStub(provider_pb2_grpc.CapacityProviderStub(channel))
+    metrics = ShardMetrics(new_registry())
+    client = ProviderClient("unused", "s1", 1, metrics, stub=stub, backoff=0.01)
+    view = MachineView()
+    for pb in (await client.list()).machines:
+        assert view.set(pb)
+    executor = Executor(view, client, _Sessions(True), lambda c, fp, prio: binding(c, fp),
+                        ExecutorConfig(capacity_cooldown=5.0), metrics)
+    ids = sorted(view.ids())
+    try:
+        for mid in ids:
+            executor.submit_create(mid, binding())
+        await until(lambda: not view.inflight, 30, "refused Creates")
+        assert stub.refused == 3 * client.max_attempts
+        for pb in view.all():
+            assert pb.state == provider_pb2.MACHINE_STATE_FAILED
+            assert "RESOURCE_EXHAUSTED" in pb.last_error and "out of capacity: tried again after 5s" in pb.last_error
+        assert set(view.cooling) == set(ids)
+        assert view.end_cooldowns(executor.clock()) == []  # not over yet
+        assert view.end_cooldowns(executor.clock() + 5.0) == ids
+        assert {pb.state for pb in view.all()} == {provider_pb2.MACHINE_STATE_SPECULATIVE}
+        assert not view.failed_local and not view.cooling
+        stub.refusing = False  # capacity is back: the same slots are created and configured
+        for mid in ids:
+            executor.submit_create(mid, binding())
+        await until(lambda: not view.inflight, 30, "Creates")
+        assert {pb.state for pb in view.all()} == {provider_pb2.MACHINE_STATE_CONFIGURED}
+    finally:
+        await executor.drain_all(5.0)
+        await channel.close()
+        await provider.stop(0)

@@ -86,6 +86,9 @@ class ExecutorConfig:
     watch: bool = True
     watch_interval: float = 0.05  # least time between two watch Lists
     watch_full_after: float = 10.0  # a flow waiting this long gets a Get of its machine (at most 64 per round)
+    # A slot whose Create the provider refused for capacity (RESOURCE_EXHAUSTED) is shown FAILED this
+    # long, then offered to the engine again.
+    capacity_cooldown: float = 60.0
 
 
 class Slots:
@@ -752,6 +755,9 @@ class Executor:
             self._outcome(kind, "fenced")
             return
         why = f"{exc.rpc}: {exc.code.name}: {exc.details}"
+        if kind == "Provision" and exc.code.name == "RESOURCE_EXHAUSTED":
+            await self._out_of_capacity(machine_id, why)
+            return
         if exc.no_answer:
             self._fail(machine_id, why)
             self._outcome(kind, outcome)
@@ -784,6 +790,26 @@ class Executor:
             return
         self._fail(machine_id, why)
         self._outcome(kind, outcome)
+
+    async def _out_of_capacity(self, machine_id: str, why: str) -> None:
+        """Create refused RESOURCE_EXHAUSTED through every retry: the provider is out of capacity or
+        quota for this slot now. A slot still Speculative there is cooled down, not failed for good
+        (a quota error used to burn every slot of the pool within seconds, for the whole leadership
+        term); anything else the re-read shows is handled as any other answer."""
+        try:
+            pb = await self.provider.get(machine_id, total=5.0)
+        except ProviderError:
+            pb = None
+        if pb is not None and pb.state != S.MACHINE_STATE_SPECULATIVE:
+            self._adopt("Provision", machine_id, pb, why)
+            return
+        cool = self.config.capacity_cooldown
+        log.warning("provider out of capacity; slot cooled down", machine=machine_id, error=why, seconds=cool)
+        self.view.reserved_for.pop(machine_id, None)
+        if pb is not None:
+            self.view.provider_latest[machine_id] = pb
+        self.view.cool_down(machine_id, f"{why} (out of capacity: tried again after {cool:g}s)", self.clock() + cool)
+        self._outcome("Provision", "out_of_capacity")
 
     def _adopt(self, kind: str, machine_id: str, pb: provider_pb2.Machine | None, why: str) -> None:
         """We lost a race for the machine: the provider's record (None: it is gone) replaces ours,

@@ -59,6 +59,7 @@ class Reconciler:
         """Merge every provider's records; a provider that fails is skipped (its machines stay as last
         read) and its error raised after the others are merged."""
         started = time.perf_counter()
+        self.view.end_cooldowns(self.executor.clock())
         if len(self._sources) == 1:
             await self._reconcile_source(self._sources[0], full)
         else:

@@ -120,6 +120,9 @@ class MachineView:
         self.provider_latest: dict[str, provider_pb2.Machine] = {}
         self.inflight: dict[str, str] = {}
         self.failed_local: set[str] = set()
+        #: machines failed here only for a while (a Create refused for capacity): id -> when (the
+        #: reconcile's clock) the provider's record is shown again and the engine may pick it anew
+        self.cooling: dict[str, float] = {}
         # A machine being created for a cluster carries no cluster yet (the record forbids it
         # before Configure); this routes its NodeStateUpdates to the cluster it is for.
         self.reserved_for: dict[str, str] = {}
@@ -265,6 +268,7 @@ class MachineView:
         self.provider_latest.pop(machine_id, None)
 
     def mark_failed(self, machine_id: str, error: str) -> None:
+        self.cooling.pop(machine_id, None)  # (failed for good; `cool_down` sets its own after this)
         pb = self.get(machine_id)  # (a fresh message)
         if pb is None:
             latest = self.provider_latest.get(machine_id)
@@ -277,6 +281,27 @@ class MachineView:
         self.failed_local.discard(machine_id)
         if self.set(pb, force=True):
             self.failed_local.add(machine_id)
+
+    def cool_down(self, machine_id: str, error: str, until: float) -> None:
+        """Shown FAILED with `error` until `until`, then as the provider has it: the provider refused
+        the machine for now (no capacity), not for good, and picking it again at once would only
+        repeat the refusal every cycle."""
+        self.mark_failed(machine_id, error)
+        if machine_id in self.failed_local:
+            self.cooling[machine_id] = until
+
+    def end_cooldowns(self, now: float) -> list[str]:
+        """Show the provider's newest record again for every cool-down that is over (the ids)."""
+        done = [mid for mid, until in self.cooling.items() if until <= now]
+        for mid in done:
+            del self.cooling[mid]
+            if mid not in self.failed_local:
+                continue  # failed for good meanwhile (or forgotten)
+            self.failed_local.discard(mid)
+            latest = self.provider_latest.pop(mid, None)
+            if latest is None or not self.set(latest, force=True):
+                self.forget(mid)  # the next List shows it as the provider has it
+        return done
 
     def _count(self, old: provider_pb2.Machine | None, new: provider_pb2.Machine | None) -> None:
         if old is not None:
