@@ -161,3 +161,30 @@ def test_first_rollup_flags_fold_into_the_engine_state_in_one_copy(monkeypatch: 
     assert copies == 1 and store.engine_state().first_rollup == frozenset({*(f"c{i}" for i in range(2000)), "late"})
     store.forget_cluster("late")
     assert "late" not in store.engine_state().first_rollup and not store.has_rolled_up("late")
+
+
+def test_a_cycle_computing_while_a_cluster_is_handed_away_does_not_reopen_its_reclaim_gate() -> None:
+    """The engine returns the state it started from: a cluster released meanwhile came back in it with
+    its gate open, so when the cluster was adopted back before its next roll-up, its machines were
+    reclaimed as the excess of an empty demand and configured again (a clean-clone CI failure of
+    tests/shard_handoff/test_handler_inproc.py). A roll-up after the release opens the gate as usual."""
+    from dataclasses import replace
+
+    from bigfleet.shard.store import LocalDemandStore
+
+    store = LocalDemandStore()
+    store.mark_first_rollup("c2")
+    store.mark_first_rollup("c3")
+    started = store.engine_state()  # a cycle starts computing from this
+    in_flight = replace(started, cycle=started.cycle + 1)
+    store.forget_cluster("c2")  # released to another shard meanwhile
+    store.save_engine_state(in_flight)
+    assert store.engine_state().first_rollup == frozenset({"c3"})
+    assert store.engine_state().cycle == in_flight.cycle
+    # the same again, but the cluster is back and rolled up before the stale state is saved
+    store.mark_first_rollup("c2")
+    started = store.engine_state()
+    store.forget_cluster("c2")
+    store.mark_first_rollup("c2")
+    store.save_engine_state(started)
+    assert store.engine_state().first_rollup == frozenset({"c2", "c3"})

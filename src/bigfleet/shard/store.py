@@ -30,6 +30,7 @@ class LocalDemandStore:
         self._state = EngineState()
         self._rolled_up: set[str] = set()
         self._unfolded: set[str] = set()  # marked, not yet in the engine state
+        self._forgotten: set[str] = set()  # handed away since the last saved engine state
 
     @property
     def table(self) -> NeedsTable:
@@ -61,8 +62,15 @@ class LocalDemandStore:
         self._rolled_up.discard(cluster_id)
         self._unfolded.discard(cluster_id)
         self._state = self._state.forget_cluster(cluster_id)
+        self._forgotten.add(cluster_id)
 
     def save_engine_state(self, state: EngineState) -> None:
+        # A cycle that was computing while a cluster was handed away returns the state it started
+        # from: it must not open that cluster's reclaim gate again (adopted back before its next
+        # roll-up, its machines would be reclaimed as excess of an empty demand).
+        for c in self._forgotten - self._rolled_up:
+            state = state.forget_cluster(c)
+        self._forgotten.clear()
         # Keep the gate monotonic even if an engine forgot a flag.
         self._state = state.with_first_rollups(self._rolled_up - state.first_rollup)
         self._unfolded = set()
