@@ -18,6 +18,7 @@ from bigfleet.security import SHARD_POLICY, RoleInterceptor
 from bigfleet.security.limits import SESSION_STREAM_LIMIT
 from bigfleet.shard.sessions import (
     BootstrapUnavailable,
+    OperatorSession,
     RollupOutcome,
     SessionRegistry,
     SessionServicer,
@@ -199,3 +200,19 @@ async def test_reclaim_ack_resolves_and_shutdown_is_explicit(harness: Harness) -
     # new sessions are refused while shutting down
     err = await _raw_session(harness.target, shard_pb2.OperatorMessage(hello=shard_pb2.Hello(cluster_id="c2")))
     assert err.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_connected_waits_for_every_named_cluster_up_to_its_timeout() -> None:
+    """What a cross-shard drain waits on after a takeover: the victims' operators reconnecting."""
+    reg = SessionRegistry()
+    assert await reg.connected(set(), 0.0)
+    waiter = asyncio.create_task(reg.connected({"c0", "c1"}, 10.0))
+    await asyncio.sleep(0)
+    reg.install(OperatorSession("c0", None, 4096))  # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    assert not waiter.done()  # c1 is still missing
+    reg.install(OperatorSession("c1", None, 4096))  # type: ignore[arg-type]
+    assert await asyncio.wait_for(waiter, 1.0)
+    t0 = time.monotonic()
+    assert not await reg.connected({"c0", "c9"}, 0.2)
+    assert 0.15 <= time.monotonic() - t0 < 2.0

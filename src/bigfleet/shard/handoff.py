@@ -262,18 +262,6 @@ class ShardHandoff(BaseInstructionHandler):
                 raise TimeoutError(f"provider calls still in flight on {busy}")
             await asyncio.sleep(0.05)
 
-    async def _sessions_of(self, clusters: set[str]) -> None:
-        """Wait (at most ``session_wait``) for these clusters' operators to be connected.
-
-        The executor drops a drain whose cluster cannot be told (no Session), and a drain that frees
-        nothing ends the transfer empty: the coordinator then asks this shard no more for a while
-        (300 s). Right after a takeover or restart, when the coordinator redelivers its drain at
-        once, operators have not reconnected yet."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.session_wait
-        while any(self.daemon.sessions.get(c) is None for c in clusters) and loop.time() < deadline:
-            await asyncio.sleep(0.1)
-
     def _forget(self, ids: Iterable[str]) -> None:
         self.daemon.forget_machines(ids)
 
@@ -413,7 +401,11 @@ class ShardHandoff(BaseInstructionHandler):
         victims = list(ids)
         d.frozen_machines.update(victims)  # the engine neither re-uses nor re-drains them meanwhile
         try:
-            await self._sessions_of({fresh[mid] for mid in ids if mid in fresh})
+            # The executor drops a drain whose cluster cannot be told (no Session), and a drain that
+            # frees nothing ends the transfer empty (the coordinator then asks this shard no more for
+            # a while). Right after a takeover or restart, when the coordinator redelivers its drain at
+            # once, the victims' operators have not reconnected yet: give them `session_wait`.
+            await d.sessions.connected({fresh[mid] for mid in ids if mid in fresh}, self.session_wait)
             for mid in ids:
                 m = d.view.machine(mid)
                 if m is not None and m.state is MachineState.CONFIGURED:

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 
 import grpc
@@ -280,6 +280,7 @@ class SessionRegistry:
         self.on_removed: list[Callable[[str], None]] = []
         #: bumped whenever a session is installed or removed (lets per-cycle passes skip when idle)
         self.version = 0
+        self._arrived = asyncio.Event()  # set (and replaced) on every install: wakes `connected`
 
     def get(self, cluster_id: str) -> OperatorSession | None:
         return self._by_cluster.get(cluster_id)
@@ -294,11 +295,27 @@ class SessionRegistry:
         old = self._by_cluster.get(session.cluster_id)
         self._by_cluster[session.cluster_id] = session
         self.version += 1
+        self._arrived.set()
+        self._arrived = asyncio.Event()
         if old is not None:
             old.close(grpc.StatusCode.ABORTED, "replaced by a newer session for this cluster")
         if self._metrics:
             self._metrics.session_lifecycle.labels("replaced" if old else "installed").inc()
             self._metrics.active_sessions.set(len(self._by_cluster))
+
+    async def connected(self, clusters: Collection[str], timeout: float) -> bool:
+        """Wait (at most `timeout` seconds) until every one of `clusters` has a session; whether they do."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while any(self.get(c) is None for c in clusters):
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except TimeoutError:
+                return False
+        return True
 
     def remove(self, session: OperatorSession) -> None:
         if self._by_cluster.get(session.cluster_id) is session:
