@@ -87,6 +87,21 @@ class ShardProc:
         return await self.cycle() >= n
 
 
+def print_shard_logs(shards: dict[str, ShardProc | None], coordinator_logs: str = "") -> None:
+    """On a failure: the tail of each started shard's log (and the coordinators'), for the report."""
+    for name, s in shards.items():
+        if s is not None:
+            print(f"---- shard {name} log ----\n" + s.logs()[-5000:])
+    if coordinator_logs:
+        print("---- coordinator log ----\n" + coordinator_logs[-3000:])
+
+
+def stop_shards(*shards: ShardProc | None) -> None:
+    for s in shards:
+        if s is not None and s.proc is not None:
+            s.proc.stop()
+
+
 @asynccontextmanager
 async def fleet(provider_args: tuple[str, ...], shard_args: tuple[str, ...] = (), provider_tls: Any = None,
                 ) -> AsyncIterator[tuple[ManagedProcess, SpyProvider, ShardProc]]:

@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -22,12 +23,13 @@ from bigfleet.provider.fake.backend import Dwell, FaultPlan, FaultRule, Simulate
 from bigfleet.provider.fake.catalog import build_catalog
 from bigfleet.provider.kit.model import Kind
 from bigfleet.provider.kit.server import KitOptions, RunningProvider, serve
+from bigfleet.rpc import insecure_channel
 from bigfleet.shard.executor import Binding, Executor, ExecutorConfig, Slots
 from bigfleet.shard.metrics import ShardMetrics
 from bigfleet.shard.provider_client import ProviderClient
 from bigfleet.shard.sessions import BootstrapResult, ReclaimSent, SessionRegistry
 from bigfleet.shard.view import MachineView
-from bigfleet.v1alpha1 import provider_pb2, shard_pb2
+from bigfleet.v1alpha1 import provider_pb2, provider_pb2_grpc, shard_pb2
 
 S = provider_pb2.MachineState
 
@@ -108,12 +110,16 @@ class Rig:
 
 @asynccontextmanager
 async def rig(n: int, dwell: Dwell | None = None, faults: FaultPlan | None = None, ack_reclaims: bool = True,
-              **cfg: Any) -> AsyncIterator[Rig]:
+              wire: Callable[[Any], Any] | None = None, **cfg: Any) -> AsyncIterator[Rig]:
+    """`wire` wraps the provider's stub (answers the kit cannot be made to give)."""
     registry = CollectorRegistry()
     cloud = SimulatedCloud(build_catalog(n), "fake", dwell or Dwell(), faults)
     provider = await serve(cloud, options=KitOptions(list_seed=1), registry=registry)
     metrics = ShardMetrics(new_registry())
-    client = ProviderClient(f"127.0.0.1:{provider.port}", "s1", 1, metrics)
+    target = f"127.0.0.1:{provider.port}"
+    channel = insecure_channel(target) if wire is not None else None
+    stub = wire(provider_pb2_grpc.CapacityProviderStub(channel)) if wire is not None else None
+    client = ProviderClient(target, "s1", 1, metrics, stub=stub)
     view = MachineView()
     lst = await client.list()
     for pb in lst.machines:
@@ -127,6 +133,8 @@ async def rig(n: int, dwell: Dwell | None = None, faults: FaultPlan | None = Non
     finally:
         await executor.drain_all(5.0)
         await client.close()
+        if channel is not None:
+            await channel.close()
         await provider.stop(0)
 
 
@@ -408,8 +416,6 @@ class _QuotaStub:
     async def Create(self, req: provider_pb2.CreateRequest, timeout: float) -> provider_pb2.TransitionAck:
         if self.refusing:
             self.refused += 1
-            import grpc
-
             raise grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                        details="InsufficientInstanceCapacity")
         out: provider_pb2.TransitionAck = await self.real.Create(req, timeout=timeout)
@@ -420,41 +426,28 @@ async def test_a_create_refused_for_capacity_cools_the_slot_down_instead_of_fail
     """RESOURCE_EXHAUSTED through every retry on a slot still Speculative at the provider: shown FAILED
     with the reason for the cool-down, then offered again (it used to stay FAILED for the whole
     leadership term: a quota error burned the pool within seconds)."""
-    import grpc
+    stubs: list[_QuotaStub] = []
 
-    from bigfleet.v1alpha1 import provider_pb2_grpc
+    def refusing(real: Any) -> _QuotaStub:
+        stubs.append(_QuotaStub(real))
+        return stubs[-1]
 
-    cloud = SimulatedCloud(build_catalog(3), "fake", Dwell(), None)
-    provider = await serve(cloud, options=KitOptions(list_seed=1))
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{provider.port}")
-    stub = _QuotaStub(provider_pb2_grpc.CapacityProviderStub(channel))
-    metrics = ShardMetrics(new_registry())
-    client = ProviderClient("unused", "s1", 1, metrics, stub=stub, backoff=0.01)
-    view = MachineView()
-    for pb in (await client.list()).machines:
-        assert view.set(pb)
-    executor = Executor(view, client, _Sessions(True), lambda c, fp, prio: binding(c, fp),
-                        ExecutorConfig(capacity_cooldown=5.0), metrics)
-    ids = sorted(view.ids())
-    try:
-        for mid in ids:
+    async with rig(3, wire=refusing, capacity_cooldown=5.0) as r:
+        stub, view, executor = stubs[0], r.view, r.executor
+        for mid in r.ids:
             executor.submit_create(mid, binding())
-        await until(lambda: not view.inflight, 30, "refused Creates")
-        assert stub.refused == 3 * client.max_attempts
+        await until(lambda: settled(r), 30, "refused Creates")
+        assert stub.refused == 3 * r.client.max_attempts
         for pb in view.all():
             assert pb.state == provider_pb2.MACHINE_STATE_FAILED
             assert "RESOURCE_EXHAUSTED" in pb.last_error and "out of capacity: tried again after 5s" in pb.last_error
-        assert set(view.cooling) == set(ids)
+        assert set(view.cooling) == set(r.ids)
         assert view.end_cooldowns(executor.clock()) == []  # not over yet
-        assert view.end_cooldowns(executor.clock() + 5.0) == ids
+        assert view.end_cooldowns(executor.clock() + 5.0) == r.ids
         assert {pb.state for pb in view.all()} == {provider_pb2.MACHINE_STATE_SPECULATIVE}
         assert not view.failed_local and not view.cooling
         stub.refusing = False  # capacity is back: the same slots are created and configured
-        for mid in ids:
+        for mid in r.ids:
             executor.submit_create(mid, binding())
-        await until(lambda: not view.inflight, 30, "Creates")
-        assert {pb.state for pb in view.all()} == {provider_pb2.MACHINE_STATE_CONFIGURED}
-    finally:
-        await executor.drain_all(5.0)
-        await channel.close()
-        await provider.stop(0)
+        await until(lambda: settled(r), 30, "Creates")
+        assert r.states() == {"MACHINE_STATE_CONFIGURED": 3}

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from shard.cluster import ShardProc, start_provider
+from shard.cluster import ShardProc, print_shard_logs, start_provider, stop_shards
 from topology.fleet import RoutedOperator, S, start_spy, until, violations
 
 from bigfleet.coordclient.client import CoordinatorClient
@@ -99,17 +99,12 @@ async def test_restarted_shard_carries_out_the_redelivered_cross_shard_drain(tmp
         assert [m.cluster for m in await spy.machines() if m.id == drained[0]] == [high]
         assert not violations(spy, ops, list((await client.call("ListTransfers", pb.ListTransfersRequest())).transfers))
     except BaseException:
-        for name, s in (("A", a), ("B", b)):
-            if s is not None:
-                print(f"---- shard {name} log ----\n" + s.logs()[-5000:])
-        print("---- coordinator log ----\n" + g.logs()[-3000:])
+        print_shard_logs({"A": a, "B": b}, g.logs())
         raise
     finally:
         for op in ops:
             await op.stop()
-        for s in (a, b):
-            if s is not None and s.proc is not None:
-                s.proc.stop()
+        stop_shards(a, b)
         await server.stop(0)
         await spy.channel.close()
         await client.close()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from shard.cluster import ShardProc, start_provider
+from shard.cluster import ShardProc, print_shard_logs, start_provider, stop_shards
 from shard.opsim import FakeOperator, need
 from shard.spy import spy_provider, until
 
@@ -110,14 +110,9 @@ async def test_new_shard_holds_the_session_until_it_adopted_the_cluster(tmp_path
                         if r.shard_id == B]
             assert "session held back" in b.logs()
     except BaseException:
-        for name, s in (("A", a), ("B", b)):
-            if s is not None:
-                print(f"---- shard {name} log ----\n" + s.logs()[-5000:])
-        print("---- coordinator log ----\n" + g.logs()[-3000:])
+        print_shard_logs({"A": a, "B": b}, g.logs())
         raise
     finally:
-        for s in (a, b):
-            if s is not None and s.proc is not None:
-                s.proc.stop()
+        stop_shards(a, b)
         prov.stop()
         g.stop_all()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from shard.cluster import ShardProc, start_provider
+from shard.cluster import ShardProc, print_shard_logs, start_provider, stop_shards
 from shard.opsim import FakeOperator, need
 from shard.spy import spy_provider, until
 
@@ -72,14 +72,9 @@ async def test_idle_machines_move_to_the_shard_with_a_shortfall(tmp_path: Path) 
             assert all(len(s) == 1 for s in by_machine.values()), by_machine
             assert all(by_machine[mid] == {B} for mid in needy)
     except BaseException:
-        for name, s in (("A", a), ("B", b)):
-            if s is not None:
-                print(f"---- shard {name} log ----\n" + s.logs()[-5000:])
-        print("---- coordinator log ----\n" + g.logs()[-3000:])
+        print_shard_logs({"A": a, "B": b}, g.logs())
         raise
     finally:
-        for s in (a, b):
-            if s is not None and s.proc is not None:
-                s.proc.stop()
+        stop_shards(a, b)
         prov.stop()
         g.stop_all()

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from shard.cluster import ShardProc, start_provider
+from shard.cluster import ShardProc, print_shard_logs, start_provider, stop_shards
 from shard.opsim import FakeOperator, need
 from shard.spy import spy_provider, until
 
@@ -107,15 +107,10 @@ async def test_removing_the_recipient_mid_adopt_returns_the_cluster_and_its_mach
             # Served on the same machine: nothing created, configured, drained or deleted since the move.
             assert {k: len(spy.of(k)) for k in calls_before} == calls_before
     except BaseException:
-        for name, s in (("A", a), ("B", b)):
-            if s is not None:
-                print(f"---- shard {name} log ----\n" + s.logs()[-5000:])
-        print("---- coordinator log ----\n" + g.logs()[-3000:])
+        print_shard_logs({"A": a, "B": b}, g.logs())
         raise
     finally:
-        for s in (a, b):
-            if s is not None and s.proc is not None:
-                s.proc.stop()
+        stop_shards(a, b)
         prov.stop()
         g.stop_all()
 
