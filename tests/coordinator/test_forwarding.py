@@ -169,6 +169,17 @@ async def test_forwarding_under_mtls(tmp_path: Path) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await lookup(followers[1], "cluster-b")
         assert ei.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # A readonly caller's role travels with the forwarded call: it sees the binding through a
+        # follower, but binds nothing (the leader sees the follower's admin certificate).
+        async with dial(followers[0], tls("readonly")) as ch:
+            stub = pbg.CoordinatorStub(ch)
+            got = await stub.LookupCluster(pb.LookupClusterRequest(cluster_id="cluster-a"), timeout=5)
+            assert got.shard_id == "shard-0"
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.LookupCluster(pb.LookupClusterRequest(cluster_id="cluster-b"), timeout=5)
+            assert ei.value.code() == grpc.StatusCode.NOT_FOUND, ei.value
+            status = await stub.GetClusterStatus(pb.GetClusterStatusRequest(cluster_id="cluster-b"), timeout=5)
+            assert not status.bound
     finally:
         await shard.close()
         g.stop_all()

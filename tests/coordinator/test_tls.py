@@ -14,8 +14,9 @@ from bigfleet.coordclient.client import CoordinatorClient, CoordinatorUnavailabl
 from bigfleet.coordinator.localgroup import CoordGroup
 from bigfleet.ctl.main import main as ctl
 from bigfleet.security.certs import make_local_pki
-from bigfleet.security.tls import TLSConfig
+from bigfleet.security.tls import TLSConfig, dial
 from bigfleet.v1alpha1 import coordinator_pb2 as pb
+from bigfleet.v1alpha1 import coordinator_pb2_grpc as pbg
 
 pytestmark = pytest.mark.slow
 
@@ -66,6 +67,16 @@ async def _exercise(g: CoordGroup, pki: Path, tls: Any, capsys: pytest.CaptureFi
         assert r.shard_id == "shard-0"
         await denied(cluster, "LookupCluster", pb.LookupClusterRequest(cluster_id="cluster-b"))
         await denied(cluster, "ListShards", pb.ListShardsRequest())
+        # readonly sees an existing binding but never places a cluster, whatever role it claims
+        assert (await readonly.call("LookupCluster", pb.LookupClusterRequest(cluster_id="cluster-a"))).shard_id == "shard-0"
+        async with dial(g.addr(0), tls("readonly")) as ch:
+            for md in ((), (("bigfleet-caller-role", "admin"),)):
+                with pytest.raises(grpc.aio.AioRpcError) as ei:
+                    await pbg.CoordinatorStub(ch).LookupCluster(
+                        pb.LookupClusterRequest(cluster_id="cluster-new"), metadata=md, timeout=5)
+                assert ei.value.code() == grpc.StatusCode.NOT_FOUND, ei.value
+                assert "readonly" in (ei.value.details() or "")
+        assert not (await readonly.call("GetClusterStatus", pb.GetClusterStatusRequest(cluster_id="cluster-new"))).bound
         assert len((await readonly.call("ListShards", pb.ListShardsRequest())).shards) == 1
         await readonly.call("PlanRebalance", pb.PlanRebalanceRequest())
         await denied(readonly, "ApplyRebalance", pb.ApplyRebalanceRequest())

@@ -184,3 +184,18 @@ def test_empty_subject_left_to_handler_validation() -> None:
 def test_constants() -> None:
     assert Role.ADMIN in ADMIN_ONLY.roles and len(ADMIN_ONLY.roles) == 1
     assert READ.roles == {Role.ADMIN, Role.READONLY}
+
+
+def test_only_an_admin_peer_relays_its_callers_role() -> None:
+    from bigfleet.security.roles import acting_role
+
+    admin = Identity(Role.ADMIN, "")
+    ro = Identity(Role.READONLY, "")
+    cluster = Identity(Role.CLUSTER, "a")
+    assert acting_role(None, "readonly") is None  # plaintext: no roles at all
+    assert acting_role(admin, None) is Role.ADMIN
+    assert acting_role(admin, "readonly") is Role.READONLY  # a replica forwarding a readonly call
+    assert acting_role(admin, "cluster") is Role.CLUSTER
+    assert acting_role(admin, "bogus") is Role.READONLY  # unknown: the least
+    assert acting_role(ro, "admin") is Role.READONLY  # a non-admin's claim is ignored
+    assert acting_role(cluster, "admin") is Role.CLUSTER

@@ -18,7 +18,9 @@ metadata on failure, all unchanged.
 * **Identity.** The forwarded call is made with this replica's own TLS identity and channel
   options (the ones it joins the Raft group with): the caller's identity was checked here, by
   the role interceptor that runs before this one, and the leader checks the replica's
-  certificate (``bigfleet://admin``).
+  certificate (``bigfleet://admin``). The caller's role travels along
+  (:data:`~bigfleet.security.roles.CALLER_ROLE_METADATA_KEY`), so a handler that treats roles
+  differently (a readonly ``LookupCluster`` never binds) sees the caller's, not the replica's.
 * **Leader not reached.** If the call fails UNAVAILABLE and the channel to the leader is not
   connected (refused, unresolvable, reset), the leader did not answer; the replica then
   answers as a follower always did, FAILED_PRECONDITION ``not leader; leader=HOST:PORT`` with
@@ -42,6 +44,7 @@ from prometheus_client import Counter
 
 from bigfleet.coordclient.client import FORWARDED_METADATA_KEY, LEADER_METADATA_KEY
 from bigfleet.observability import get_logger
+from bigfleet.security.roles import CALLER_ROLE_METADATA_KEY, caller_role
 from bigfleet.security.tls import RotatingChannel, TLSConfig
 from bigfleet.v1alpha1 import coordinator_pb2_grpc as pbg
 
@@ -136,8 +139,13 @@ class LeaderForwarder(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             ch = self._channels[target] = RotatingChannel(target, self.tls)
         return ch.get()
 
-    def _metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((FORWARDED_METADATA_KEY, self.node_id),)
+    def _metadata(self, context: grpc.aio.ServicerContext) -> tuple[tuple[str, str], ...]:
+        """One-hop mark, and the checked caller's role: the leader sees this replica's admin
+        certificate and must not let a readonly caller act as admin (LookupCluster binds)."""
+        role = caller_role(context)
+        if role is None:
+            return ((FORWARDED_METADATA_KEY, self.node_id),)
+        return ((FORWARDED_METADATA_KEY, self.node_id), (CALLER_ROLE_METADATA_KEY, role.value))
 
     def _timeout(self, context: grpc.aio.ServicerContext) -> float:
         remaining = context.time_remaining()
@@ -172,7 +180,7 @@ class LeaderForwarder(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def forward_unary(self, method: str, target: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
         ch = self._channel(target)
-        call = getattr(pbg.CoordinatorStub(ch), method)(request, timeout=self._timeout(context), metadata=self._metadata())
+        call = getattr(pbg.CoordinatorStub(ch), method)(request, timeout=self._timeout(context), metadata=self._metadata(context))
         try:
             resp = await call
         except grpc.aio.AioRpcError as err:
@@ -188,7 +196,7 @@ class LeaderForwarder(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     ) -> AsyncIterator[Any]:
         ch = self._channel(target)
         remaining = context.time_remaining()  # a stream may run long: only the caller's deadline bounds it
-        call = getattr(pbg.CoordinatorStub(ch), method)(request, timeout=remaining, metadata=self._metadata())
+        call = getattr(pbg.CoordinatorStub(ch), method)(request, timeout=remaining, metadata=self._metadata(context))
         received = False
         try:
             async for item in call:

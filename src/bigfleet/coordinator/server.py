@@ -58,6 +58,8 @@ from bigfleet.observability.metrics import MetricsServer
 from bigfleet.placement import DEFAULT_LOAD_FACTOR, place, plan_rebalance
 from bigfleet.rpc import new_server
 from bigfleet.rpc.options import NOT_SERVING, SERVING
+from bigfleet.security.identity import Role
+from bigfleet.security.roles import caller_role
 from bigfleet.v1alpha1 import coordinator_pb2 as pb
 from bigfleet.v1alpha1 import coordinator_pb2_grpc as pbg
 
@@ -674,6 +676,13 @@ class CoordinatorService(pbg.CoordinatorServicer):
         found = await self._existing(cid, context)
         if found is not None:
             return found
+        if caller_role(context) is Role.READONLY:
+            # Placing a cluster is a Raft write; readonly may only see bindings that exist.
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"cluster {cid} is not bound to a shard (a readonly identity does not place clusters; "
+                "the cluster's operator or an admin does)",
+            )
         async with d._bind_lock:
             found = await self._existing(cid, context)
             if found is not None:

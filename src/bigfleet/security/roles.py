@@ -540,6 +540,31 @@ class _Subject:
     x: str
 
 
+#: Set by a coordinator replica on a call it forwards to the leader: the role of the caller it
+#: checked. The leader sees the replica's own (admin) certificate, so without it a forwarded
+#: readonly call would act as admin.
+CALLER_ROLE_METADATA_KEY = "bigfleet-caller-role"
+
+
+def acting_role(direct: Identity | None, relayed: str | None) -> Role | None:
+    """The role a call acts with (None over plaintext). Only an admin peer (a forwarding
+    replica) may name its caller's role, and only to narrow its own; anyone else's claim is ignored."""
+    if direct is None:
+        return None
+    if direct.role is Role.ADMIN and relayed:
+        try:
+            return Role(relayed)
+        except ValueError:
+            return Role.READONLY  # an unknown relayed role gets the least
+    return direct.role
+
+
+def caller_role(context: grpc.aio.ServicerContext) -> Role | None:
+    """:func:`acting_role` of this call: the peer certificate and the relayed-role metadata."""
+    relayed = next((str(v) for k, v in context.invocation_metadata() or () if k == CALLER_ROLE_METADATA_KEY), None)
+    return acting_role(_identity_or_none(context), relayed)
+
+
 def _identity_or_none(context: grpc.aio.ServicerContext) -> Identity | None:
     try:
         return identity_from_auth_context(context.auth_context())
