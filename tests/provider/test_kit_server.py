@@ -137,8 +137,9 @@ async def test_status_codes_on_the_wire() -> None:
             for _ in range(2):
                 req = pb.DeleteRequest(machine_id="m0", shard_id="s", shard_epoch=1, sequence_number=1)
                 assert await code(s.Delete(req)) == grpc.StatusCode.UNIMPLEMENTED
-            assert await code(s.Configure(pb.ConfigureRequest(machine_id="m0", cluster_id=""))) == \
-                grpc.StatusCode.INVALID_ARGUMENT
+            for bad in ("", "c\n1", "c 1", "c\x00"):
+                assert await code(s.Configure(pb.ConfigureRequest(machine_id="m0", cluster_id=bad))) == \
+                    grpc.StatusCode.INVALID_ARGUMENT, bad
             assert await code(s.Drain(pb.DrainRequest(machine_id="m0", grace_period_seconds=-1))) == \
                 grpc.StatusCode.INVALID_ARGUMENT
             assert await code(s.List(pb.ListFilter(states=[42]))) == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[list-item]

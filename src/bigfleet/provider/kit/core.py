@@ -74,6 +74,9 @@ def _check_id(value: str, what: str) -> None:
 def check_configure_args(cluster_id: str, metadata: Mapping[str, str], blob_len: int) -> None:
     """Configure-specific validation, run before fencing so a malformed call changes nothing."""
     _check_id(cluster_id, "cluster_id")
+    if not cluster_id.isprintable() or any(c.isspace() for c in cluster_id):
+        # the shard's cluster-id rule; the id lands in node labels and bootstrap scripts
+        raise KitError(grpc.StatusCode.INVALID_ARGUMENT, "cluster_id contains whitespace or control characters")
     if len(metadata) > MAX_METADATA_ENTRIES:
         raise KitError(grpc.StatusCode.INVALID_ARGUMENT, f"shard_metadata has more than {MAX_METADATA_ENTRIES} entries")
     size = 0
