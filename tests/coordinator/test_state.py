@@ -117,6 +117,27 @@ def test_cluster_handoff_release_then_adopt() -> None:
     assert ack(st, "b", adopt.instruction_id)["cleared"] == []
 
 
+def test_a_cluster_bound_again_after_its_shard_is_removed_continues_its_epoch() -> None:
+    """The old shard of a finished move serves the cluster again only for a newer binding epoch
+    than the one it released at: rebinding after the recipient's removal must not restart at 1."""
+    st = FleetState()
+    tid = _handoff(st)
+    [rel] = st.pending("a")
+    assert rel.payload["binding_epoch"] == 2
+    ack(st, "a", rel.instruction_id, ACCEPTED, ["m1"])
+    [adopt] = st.pending("b")
+    ack(st, "b", adopt.instruction_id)
+    assert st.transfers[tid].phase == DONE and st.bindings["c"].epoch == 2
+    st.apply({"op": "remove_shard", "shard_id": "b", "now": 20})
+    assert "c" not in st.bindings and st.retired_epochs == {"c": 2}
+    again = FleetState.from_json(json.loads(json.dumps(st.to_json())))  # survives a snapshot
+    for state in (st, again):
+        r = state.apply({"op": "bind_cluster", "cluster_id": "c", "shard_id": "a", "now": 21})
+        assert r["newly_bound"] is True and r["epoch"] == 3 and state.bindings["c"].epoch == 3
+        assert state.retired_epochs == {}
+        check_loads(state)
+
+
 def test_release_refused_aborts_and_keeps_binding() -> None:
     st = FleetState()
     tid = _handoff(st)

@@ -189,3 +189,40 @@ async def test_handoff_window_hold_rules(tmp_path: Path) -> None:
         async with FakeOperator(addr, "c6") as op6:
             await until(lambda: op6.acks("hello"), 20, "c6 admitted")
         assert coord.calls == calls
+
+
+async def test_a_released_cluster_is_served_again_only_for_a_newer_binding_here(tmp_path: Path) -> None:
+    """Its recipient removed, a cluster is bound anew: the old shard lifts its release only when the
+    coordinator binds the cluster to it with an epoch above the one released at (an old coordinator
+    snapshot naming this shard, another shard, or a handoff in flight keep it refused)."""
+    async with running(tmp_path) as (daemon, handoff, spy, addr):
+        async with FakeOperator(addr, "c3") as op:
+            await op.send_rollup([need("4", count=1)])
+            await until(lambda: bound(daemon, "c3"), 40, "c3 bound")
+        ids = sorted(bound(daemon, "c3"))
+        await handoff.release_cluster(cpb.ReleaseCluster(cluster_id="c3", handoff_id="h3", to_shard_id="B",
+                                                         to_shard_address="10.0.0.2:7780", binding_epoch=2))
+        assert daemon.log.read(lambda st: st.ledger.released_clusters["c3"].binding_epoch) == 2
+        coord = _Coordinator(None)
+        handoff.coordinator = coord
+
+        async def refused(answer: cpb.GetClusterStatusResponse) -> None:
+            coord.answer = answer
+            async with FakeOperator(addr, "c3") as op:
+                await until(lambda: op.status is not None, 20, "refusal")
+                assert op.status == grpc.StatusCode.FAILED_PRECONDITION, (answer, op.details)
+
+        st = cpb.GetClusterStatusResponse
+        await refused(st(cluster_id="c3", bound=True, shard_id="A", binding_epoch=2))  # not newer
+        await refused(st(cluster_id="c3", bound=True, shard_id="B", binding_epoch=3))  # elsewhere
+        await refused(st(cluster_id="c3", bound=True, shard_id="A", binding_epoch=3, handoff_phase="releasing",
+                         handoff_to_shard_id="B"))
+        await refused(st(cluster_id="c3"))  # not bound at all
+        configures = spy.per_machine("Configure")
+        coord.answer = st(cluster_id="c3", bound=True, shard_id="A", binding_epoch=3)
+        async with FakeOperator(addr, "c3") as back:
+            await back.send_rollup([need("4", count=1)])
+            await until(lambda: back.acks("rollup"), 20, "c3 served again")
+            await until(lambda: sorted(bound(daemon, "c3")) == ids, 20, "its released machine back")
+        assert "c3" not in daemon.log.read(lambda s: dict(s.ledger.released_clusters))
+        assert spy.per_machine("Configure") == configures and not spy.of("Drain")

@@ -126,3 +126,80 @@ async def _in_phase(transfers: object, phase: str) -> list[pb.TransferStatus]:
 async def _phase_of(transfers: object, tid: str, phase: str) -> bool:
     return any(t.transfer_id == tid and t.phase == phase for t in await transfers())  # type: ignore[operator]
 
+
+
+@pytest.mark.timeout(300)
+async def test_removing_the_recipient_after_a_finished_move_lets_the_old_shard_serve_again(tmp_path: Path) -> None:
+    """A move that finished, then its recipient lost for good and removed: the cluster is placed anew
+    (here on its old shard, the only one left, with a newer binding epoch). The old shard must serve
+    it, with the machine it released, instead of redirecting it to the removed shard for ever."""
+    move = next(c for c in (f"cl-{i}" for i in range(100)) if preferred(c, [A, B]) == B)
+    g = CoordGroup(tmp_path / "coord", 3, extra=("--rebalance-interval", "0"))
+    g.start_all()
+    prov, paddr = start_provider("--seed-count", "4")
+    a = b = None
+    try:
+        async with spy_provider(paddr) as (spy, spy_addr):
+            a = await ShardProc(spy_addr, extra=shard_args(A, g.addresses)).start()
+
+            def call(method: str, req: object) -> object:
+                return g.call(g.leader(), method, req)
+
+            def lookup() -> pb.LookupClusterResponse:
+                return call("LookupCluster", pb.LookupClusterRequest(cluster_id=move))  # type: ignore[return-value]
+
+            def shards() -> dict[str, str]:
+                return {s.shard_id: s.address for s in call("ListShards", pb.ListShardsRequest()).shards}  # type: ignore[attr-defined]
+
+            async def configured() -> list[str]:
+                return [m.id for m in await spy.list_machines() if m.cluster == move and m.state == CONFIGURED]
+
+            await until(lambda: A in shards(), 60, "shard A registered")
+            assert lookup().shard_id == A
+            async with FakeOperator(a.addr, move) as op:
+                await op.send_rollup([need("4", count=1)])
+                [mid] = await until(configured, 90, "the cluster's machine Configured on shard A")
+                await until(lambda: _bound(a, move, 1), 30, "shard A counting it")
+
+            b = await ShardProc(spy_addr, extra=shard_args(B, g.addresses, "--ownership", "shared")).start()
+            await until(lambda: shards().get(B) == b.addr, 60, "shard B registered")  # type: ignore[union-attr]
+            plan = ctl(g.addresses, "rebalance", "--plan")
+            assert isinstance(plan, dict) and [m["cluster_id"] for m in plan["moves"]] == [move], plan
+            ctl(g.addresses, "rebalance", "--apply", "--plan-id", plan["plan_id"])
+            await until(lambda: _done(transfers_of(call)), 60, "the move finishing")
+            moved = lookup()
+            assert moved.shard_id == B and moved.binding_epoch == 2
+            await until(lambda: _bound(b, move, 1), 30, "shard B holding the machine")  # type: ignore[arg-type]
+
+            # B is lost for good; the runbook removes it, and the cluster is placed again.
+            assert b.proc is not None
+            b.proc.kill()
+            b.proc = None
+            subprocess.run([sys.executable, "-m", "bigfleet.ctl.main", "--coordinator", ",".join(g.addresses),
+                            "shards", "remove", B], capture_output=True, text=True, timeout=60, check=True)
+            again = lookup()
+            assert (again.shard_id, again.binding_epoch, again.newly_bound) == (A, 3, True)
+            calls_before = {k: len(spy.of(k)) for k in ("Create", "Configure", "Drain", "Delete")}
+            async with FakeOperator(a.addr, move) as op:
+                await op.send_rollup([need("4", count=1)])
+                await until(lambda: op.acks("rollup"), 30, "A serving the cluster again")
+                assert op.status is None, op.details
+                await until(lambda: _bound(a, move, 1), 30, "A holding the machine it released")
+                await a.wait_cycles(3)
+            assert await configured() == [mid]
+            assert {k: len(spy.of(k)) for k in calls_before} == calls_before  # served on the same machine
+    except BaseException:
+        print_shard_logs({"A": a, "B": b}, g.logs())
+        raise
+    finally:
+        stop_shards(a, b)
+        prov.stop()
+        g.stop_all()
+
+
+def transfers_of(call: object) -> list[pb.TransferStatus]:
+    return list(call("ListTransfers", pb.ListTransfersRequest()).transfers)  # type: ignore[operator]
+
+
+def _done(transfers: list[pb.TransferStatus]) -> bool:
+    return bool(transfers) and all(t.phase == "done" for t in transfers)

@@ -127,6 +127,10 @@ class FleetState:
         self.transfers: dict[str, Transfer] = {}
         self.finished: list[str] = []
         self.members: dict[str, Member] = {}
+        # cluster -> epoch of its binding dropped when its shard was removed: binding it again
+        # continues from there, so a shard that once released the cluster to the removed one can
+        # tell the new binding from the old (it serves again only for a newer epoch).
+        self.retired_epochs: dict[str, int] = {}
         # Clusters bound per shard, kept in step with `bindings` (placement reads it per lookup).
         self.load: dict[str, int] = {}
         self.next_sequence = 1
@@ -253,6 +257,7 @@ class FleetState:
             "transfers": [asdict(t) for _, t in sorted(self.transfers.items())],
             "finished": list(self.finished),
             "members": [asdict(m) for _, m in sorted(self.members.items())],
+            "retired_epochs": dict(sorted(self.retired_epochs.items())),
             "next_sequence": self.next_sequence,
             "term_offset": self.term_offset,
             "incarnation": self.incarnation,
@@ -282,6 +287,7 @@ class FleetState:
         st.finished = list(data.get("finished", []))
         for m in data.get("members", []):
             st.members[m["node_id"]] = Member(**m)
+        st.retired_epochs = {str(c): int(e) for c, e in dict(data.get("retired_epochs", {})).items()}
         for b in st.bindings.values():
             st.load[b.shard_id] = st.load.get(b.shard_id, 0) + 1
         st.next_sequence = int(data.get("next_sequence", 1))
@@ -323,6 +329,7 @@ def _remove_shard(st: FleetState, cmd: dict[str, Any]) -> dict[str, Any]:
             _transfer_without(st, t, sid, now)
     unbound = sorted(c for c, b in st.bindings.items() if b.shard_id == sid)
     for c in unbound:
+        st.retired_epochs[c] = st.bindings[c].epoch
         st._set_binding_shard(c, None)
     for dk in [dk for dk, (_, _, s) in st.domains.items() if s == sid]:
         del st.domains[dk]
@@ -361,9 +368,10 @@ def _bind_cluster(st: FleetState, cmd: dict[str, Any]) -> dict[str, Any]:
         return {"code": OK, "shard_id": b.shard_id, "epoch": b.epoch, "newly_bound": False}
     if sid not in st.shards:
         return {"code": NOT_FOUND, "error": f"shard {sid!r} not registered"}
-    st.bindings[cid] = Binding(cid, sid, int(cmd["now"]))
+    epoch = st.retired_epochs.pop(cid, 0) + 1
+    st.bindings[cid] = Binding(cid, sid, int(cmd["now"]), epoch)
     st.load[sid] = st.load.get(sid, 0) + 1
-    return {"code": OK, "shard_id": sid, "epoch": 1, "newly_bound": True}
+    return {"code": OK, "shard_id": sid, "epoch": epoch, "newly_bound": True}
 
 
 def _assign_domain(st: FleetState, cmd: dict[str, Any]) -> dict[str, Any]:

@@ -201,15 +201,69 @@ class ShardHandoff(BaseInstructionHandler):
         # Per provider when the shard draws from several (bigfleet.shard.providers: NAME=HOST:PORT@shared).
         return owns(self.log.ledger(), self.shard_id, self.daemon.provider.ownership_for(pb.id) or self.mode, pb)
 
-    def refusal(self, cluster_id: str) -> tuple[str, str] | None:
+    async def refusal(self, cluster_id: str) -> tuple[str, str] | None:
         """(reason, redirect address) when this shard must not serve ``cluster_id``."""
         rc = self.log.ledger().released_clusters.get(cluster_id)
+        if rc is not None and cluster_id not in self.daemon.frozen_clusters and await self._bound_here_again(cluster_id, rc):
+            rc = None
         if cluster_id in self.daemon.frozen_clusters or rc is not None:
             addr = (rc.address if rc is not None else "") or self.daemon.redirects.get(cluster_id, "")
             where = f"; now served at {addr}" if addr else "; look it up again"
             self.daemon.metrics.handoff_sessions_refused.inc()
             return f"cluster {cluster_id} was handed off to another shard{where}", addr
         return None
+
+    async def _bound_here_again(self, cluster_id: str, rc: ReleasedCluster) -> bool:
+        """A cluster released here whose recipient was later removed: the coordinator binds it anew,
+        possibly here, with an epoch above the one released at. Only then is the release lifted
+        (a replicated adopt of no machines), so an old coordinator snapshot naming this shard does
+        not make two shards serve the cluster."""
+        if self.coordinator is None or rc.binding_epoch <= 0:
+            return False
+        st = await self._status(cluster_id)
+        if (st is None or not st.bound or st.shard_id != self.shard_id or st.handoff_phase
+                or st.binding_epoch <= rc.binding_epoch):
+            return False
+        async with self._lock:
+            if self.log.ledger().released_clusters.get(cluster_id) is not rc:
+                return self.log.ledger().released_clusters.get(cluster_id) is None  # lifted meanwhile?
+            # The machines released with it that still serve it come back (the removed shard is gone
+            # for good: the runbook removes only such a shard); ones it made later stay unowned.
+            back = [mid for mid in rc.machines if await self._bound_to(mid, cluster_id)]
+            try:
+                got = await self._adopt(back, cluster_id)
+            except RuntimeError:
+                return False  # no longer leading: refused as before, the new leader decides
+            self.daemon.redirects.pop(cluster_id, None)
+            self.daemon.trigger()
+        self._count("adopted", "cluster", len(got))
+        log.info("cluster bound here again after its recipient was removed; serving it", cluster=cluster_id,
+                 released_to=rc.to_shard, released_epoch=rc.binding_epoch, epoch=st.binding_epoch,
+                 machines_back=len(got), released=len(rc.machines))
+        return True
+
+    async def _bound_to(self, machine_id: str, cluster_id: str) -> bool:
+        try:
+            return (await self.daemon.provider.get(machine_id)).cluster == cluster_id
+        except ProviderError:
+            return False
+
+    async def _status(self, cluster_id: str) -> coordinator_pb2.GetClusterStatusResponse | None:
+        """The coordinator's view of a cluster; None when it does not answer (then not asked again
+        for ``status_backoff``: a down coordinator must not slow every Hello)."""
+        loop = asyncio.get_running_loop()
+        if self.coordinator is None or loop.time() < self._status_skip_until:
+            return None
+        try:
+            st: coordinator_pb2.GetClusterStatusResponse = await self.coordinator.call(
+                "GetClusterStatus", coordinator_pb2.GetClusterStatusRequest(cluster_id=cluster_id),
+                timeout=self.status_timeout)
+        except Exception as exc:  # fail open: the coordinator must never gate serving
+            self._status_skip_until = loop.time() + self.status_backoff
+            log.info("cluster status unknown; not asking the coordinator for a while", cluster=cluster_id,
+                     error=str(exc)[:200], seconds=self.status_backoff)
+            return None
+        return st
 
     def _known(self, cluster_id: str) -> bool:
         """Clusters this shard already serves need no coordinator round trip."""
@@ -223,19 +277,8 @@ class ShardHandoff(BaseInstructionHandler):
         """None to admit the Session; else why it must come back later (a handoff to us not adopted yet)."""
         if self.coordinator is None or self._known(cluster_id):
             return None
-        loop = asyncio.get_running_loop()
-        if loop.time() < self._status_skip_until:
-            return None
-        try:
-            st = await self.coordinator.call(
-                "GetClusterStatus", coordinator_pb2.GetClusterStatusRequest(cluster_id=cluster_id),
-                timeout=self.status_timeout)
-        except Exception as exc:  # fail open: the coordinator must never gate serving
-            self._status_skip_until = loop.time() + self.status_backoff
-            log.info("cluster status unknown; admitting sessions without asking for a while", cluster=cluster_id,
-                     error=str(exc)[:200], seconds=self.status_backoff)
-            return None
-        if st.handoff_to_shard_id != self.shard_id or not st.handoff_phase:
+        st = await self._status(cluster_id)
+        if st is None or st.handoff_to_shard_id != self.shard_id or not st.handoff_phase:
             return None
         ev = self._adopted_events.setdefault(cluster_id, asyncio.Event())
         try:
@@ -300,7 +343,7 @@ class ShardHandoff(BaseInstructionHandler):
                 await self._settle(ids)
                 released = self._committed(
                     await self.log.release_cluster(cid, tuple(ids), msg.to_shard_id, msg.to_shard_address,
-                                                   self.epoch), "release_cluster")
+                                                   self.epoch, msg.binding_epoch), "release_cluster")
             except BaseException:
                 # Not released (the ack says FAILED; the coordinator aborts and the binding stays
                 # here): serve the cluster again when its operator reconnects.

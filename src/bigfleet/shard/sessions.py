@@ -346,7 +346,7 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
         ack_info: Callable[[], tuple[int, int]],
         resync: Callable[[OperatorSession], None],
         max_unkeyed: int = 4096,
-        refuse_cluster: Callable[[str], tuple[str, str] | None] | None = None,
+        refuse_cluster: Callable[[str], Awaitable[tuple[str, str] | None]] | None = None,
         hold_cluster: Callable[[str], Awaitable[str | None]] | None = None,
         on_registration_timeout: Callable[[str, shard_pb2.NodeRegistrationTimeout], object] | None = None,
     ) -> None:
@@ -399,7 +399,7 @@ class SessionServicer(shard_pb2_grpc.ShardServicer):
                 self.registry.metrics.identity_rejected.inc()
             log.warning("session identity rejected", cluster=cluster_id, reason=denial)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, denial)
-        refused = self.refuse_cluster(cluster_id) if self.refuse_cluster is not None else None
+        refused = await self.refuse_cluster(cluster_id) if self.refuse_cluster is not None else None
         if refused is not None:
             reason, addr = refused
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason,

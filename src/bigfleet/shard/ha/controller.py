@@ -235,7 +235,7 @@ class HAController:
                 lambda s: bool(s.ledger.released or s.ledger.adopted or s.ledger.released_clusters)):
             return
         for cid, rc in old.released_clusters.items():
-            await self.raft.release_cluster(cid, rc.machines, rc.to_shard, rc.address, epoch)
+            await self.raft.release_cluster(cid, rc.machines, rc.to_shard, rc.address, epoch, rc.binding_epoch)
         by_why: dict[str, list[str]] = {}
         for mid, why in old.released.items():
             by_why.setdefault(why, []).append(mid)

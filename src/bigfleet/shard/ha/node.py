@@ -61,7 +61,7 @@ class ShardLog(Protocol):
                                  timeout: float = 5.0) -> bool: ...
 
     async def release_cluster(self, cluster_id: str, machine_ids: tuple[str, ...], to_shard: str, address: str,
-                              epoch: int, timeout: float = 10.0) -> tuple[str, ...] | None: ...
+                              epoch: int, binding_epoch: int = 0, timeout: float = 10.0) -> tuple[str, ...] | None: ...
 
     async def release_machines(self, machine_ids: tuple[str, ...], why: str, epoch: int,
                                timeout: float = 10.0) -> tuple[str, ...] | None: ...
@@ -114,9 +114,9 @@ class _Replicated(LockedConsumer[HAState]):
 
     @replicated  # type: ignore[untyped-decorator,misc,unused-ignore]
     def release_cluster(self, cluster_id: str, machine_ids: tuple[str, ...], to_shard: str, address: str,
-                        epoch: int) -> tuple[str, ...] | None:
+                        epoch: int, binding_epoch: int = 0) -> tuple[str, ...] | None:
         with self.lock:
-            return self.fsm.release_cluster(cluster_id, machine_ids, to_shard, address, epoch)
+            return self.fsm.release_cluster(cluster_id, machine_ids, to_shard, address, epoch, binding_epoch)
 
     @replicated  # type: ignore[untyped-decorator,misc,unused-ignore]
     def release_machines(self, machine_ids: tuple[str, ...], why: str, epoch: int) -> tuple[str, ...] | None:
@@ -204,9 +204,9 @@ class ShardRaft(RaftBridge[HAState]):
         return epoch, term
 
     async def release_cluster(self, cluster_id: str, machine_ids: tuple[str, ...], to_shard: str, address: str,
-                              epoch: int, timeout: float = 10.0) -> tuple[str, ...] | None:
+                              epoch: int, binding_epoch: int = 0, timeout: float = 10.0) -> tuple[str, ...] | None:
         res = await self.call(self._ha.release_cluster, cluster_id, tuple(machine_ids), to_shard, address, epoch,
-                              timeout=timeout, what="release_cluster")
+                              binding_epoch, timeout=timeout, what="release_cluster")
         return None if res is None else tuple(res)
 
     async def release_machines(self, machine_ids: tuple[str, ...], why: str, epoch: int,
@@ -277,8 +277,8 @@ class LocalLog:
         return self.state.record_disruptions(entries, keep_after, epoch)
 
     async def release_cluster(self, cluster_id: str, machine_ids: tuple[str, ...], to_shard: str, address: str,
-                              epoch: int, timeout: float = 10.0) -> tuple[str, ...] | None:
-        return self.state.release_cluster(cluster_id, tuple(machine_ids), to_shard, address, epoch)
+                              epoch: int, binding_epoch: int = 0, timeout: float = 10.0) -> tuple[str, ...] | None:
+        return self.state.release_cluster(cluster_id, tuple(machine_ids), to_shard, address, epoch, binding_epoch)
 
     async def release_machines(self, machine_ids: tuple[str, ...], why: str, epoch: int,
                                timeout: float = 10.0) -> tuple[str, ...] | None:

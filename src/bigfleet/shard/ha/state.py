@@ -29,6 +29,9 @@ class ReleasedCluster:
     to_shard: str
     address: str
     machines: tuple[str, ...]
+    # The binding epoch the recipient holds (0: released before it was recorded). A binding of the
+    # cluster back to this shard with a newer epoch (its recipient was removed) lets it serve again.
+    binding_epoch: int = 0
 
 
 @dataclass
@@ -163,7 +166,7 @@ class HAState:
     # -- ownership ledger (cross-shard handoff) ------------------------------------------------
 
     def release_cluster(self, cluster_id: str, machine_ids: tuple[str, ...], to_shard: str, address: str,
-                        epoch: int) -> tuple[str, ...] | None:
+                        epoch: int, binding_epoch: int = 0) -> tuple[str, ...] | None:
         """Hand a cluster and its machines away; a repeat returns what the first release recorded."""
         if epoch != self.epoch or not cluster_id:
             return None
@@ -171,7 +174,7 @@ class HAState:
         if prev is not None:
             return prev.machines
         ids = tuple(sorted(set(machine_ids)))
-        self.ledger.released_clusters[cluster_id] = ReleasedCluster(to_shard, address, ids)
+        self.ledger.released_clusters[cluster_id] = ReleasedCluster(to_shard, address, ids, binding_epoch)
         self.ledger.release(ids, cluster_id)
         self.rollups.pop(cluster_id, None)
         self.first_rollup.discard(cluster_id)
