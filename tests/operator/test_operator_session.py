@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -202,6 +203,37 @@ async def test_reclaim_cordons_acks_and_drains_with_a_blocking_pdb(kube: KubeTes
             instruction_id="fedcba9876543210", nodes=["node-1"], grace_period_seconds=10)))
         await eventually(lambda: s.find("upcomingnodes", "un-m-1") is None, what="drained and deleted")
         assert s.find("pods", "p1", "default") is None
+
+
+async def test_a_drain_interrupted_by_a_restart_is_resumed_until_its_deadline(kube: KubeTestServer, api: Any,
+                                                                           shard: FakeShard) -> None:
+    """A previous operator process cordoned the nodes, marked their UpcomingNodes Draining with the
+    deadline and died: the new leader finishes the drain (or fails it with the reason at the deadline)."""
+    from bigfleet.operator.handlers import rfc3339
+
+    s = kube.store
+    for node, left in (("node-1", 30.0), ("node-2", -5.0)):
+        s.put({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}, "spec": {"unschedulable": True}})
+        s.put({"apiVersion": "bigfleet.lucy.sh/v1alpha1", "kind": "UpcomingNode", "metadata": {"name": f"un-{node}"},
+               "spec": {"resources": {"cpu": "4"}},
+               "status": {"phase": "Draining", "nodeRef": {"name": node}, "drainDeadline": rfc3339(time.time() + left)}})
+        s.put({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"p-{node}", "namespace": "default",
+                                                              "labels": {"app": node}},
+               "spec": {"nodeName": node, "containers": [{"name": "c", "image": "i"}]}, "status": {"phase": "Running"}})
+    # A Draining UpcomingNode without a recorded deadline (the shard's own frame) is left to the shard.
+    s.put({"apiVersion": "bigfleet.lucy.sh/v1alpha1", "kind": "UpcomingNode", "metadata": {"name": "un-node-3"},
+           "spec": {}, "status": {"phase": "Draining", "nodeRef": {"name": "node-3"}}})
+    s.put({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": "n2", "namespace": "default"},
+           "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "node-2"}}}})
+    async with running(make_op(api, shard)) as op:
+        await eventually(lambda: s.find("upcomingnodes", "un-node-1") is None, what="node-1 drained and done")
+        assert s.find("pods", "p-node-1", "default") is None
+        failed = await eventually(lambda: (s.find("upcomingnodes", "un-node-2") or {}).get("status", {})
+                                  .get("phase") == "Failed", what="node-2 failed at its passed deadline")
+        assert failed and "PodDisruptionBudget" in s.find("upcomingnodes", "un-node-2")["status"]["lastError"]  # type: ignore[index]
+        assert s.find("pods", "p-node-2", "default") is not None
+        assert s.find("upcomingnodes", "un-node-3")["status"]["phase"] == "Draining"  # type: ignore[index]
+        assert not op.writer.draining
 
 
 async def test_watch_expiry_forces_a_relist_and_nothing_is_missed(kube: KubeTestServer, api: Any,

@@ -529,10 +529,16 @@ class Operator:
             del self._reported[mid]
         return sent
 
+    async def _resume_drains(self) -> None:
+        """Once per leadership: finish the drains a previous leader or process left (handlers.py)."""
+        await self.upcoming.synced.wait()
+        self.writer.resume_drains(self.upcoming.items())
+
     async def _lead(self) -> None:
         self.metrics.is_leader.set(1)
         try:
-            loops = [self.session.run(), self._change_loop(), self._verdict_loop(), self.dry_runs.run()]
+            loops = [self.session.run(), self._change_loop(), self._verdict_loop(), self.dry_runs.run(),
+                     self._resume_drains()]
             if self.tracks_nodes and (self.cfg.node_registration_timeout > 0 or self.cfg.node_ready_timeout > 0):
                 loops.append(self._registration_loop())
             await asyncio.gather(*loops)

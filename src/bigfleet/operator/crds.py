@@ -159,6 +159,7 @@ class UpcomingNodeStatus(_Model):
     last_error: str | None = Field(default=None, alias="lastError")
     machine_id: str | None = Field(default=None, alias="machineID")
     configured_time: str | None = Field(default=None, alias="configuredTime")
+    drain_deadline: str | None = Field(default=None, alias="drainDeadline")
 
 
 def dump(model: BaseModel) -> dict[str, Any]:

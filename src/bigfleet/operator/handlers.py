@@ -65,6 +65,7 @@ class ClusterWriter:
         self.upcoming_cache = upcoming_cache
         self.eviction_retry = eviction_retry
         self.drains: set[asyncio.Task[bool]] = set()
+        self.draining: set[str] = set()  # nodes with a drain task here (a resume skips them)
         # UpcomingNodes deleted after a drain (bounded, oldest forgotten first): see plan_upcoming.
         self.drained_names: dict[str, None] = {}
         self.events = events
@@ -262,18 +263,45 @@ class ClusterWriter:
                     started.append(node)
                     self.event(ObjectRef("v1", "Node", node, uid=self.node_uid(node)), etype, reason,
                                f"{why} (instruction {ins.instruction_id}; evictions honour PodDisruptionBudgets)")
-                    await self._set_upcoming_status(await self._upcoming_for_node(node), {"phase": "Draining"})
+                    grace = ins.grace_period_seconds if ins.grace_period_seconds > 0 else DEFAULT_GRACE_SECONDS
+                    await self._set_upcoming_status(await self._upcoming_for_node(node), {
+                        "phase": "Draining", "drainDeadline": rfc3339(time.time() + grace)})
                 else:
                     self.metrics.reclaims.labels(outcome="node_missing").inc()
             except Exception as exc:
                 log.warning("cordon failed", node=node, error=str(exc)[:200])
         send_ack(shard_pb2.ReclaimAck(instruction_id=ins.instruction_id, nodes_started=len(started)))
         grace = ins.grace_period_seconds if ins.grace_period_seconds > 0 else DEFAULT_GRACE_SECONDS
-        deadline = time.monotonic() + grace
         for node in started:
-            task = asyncio.create_task(self.drain(node, deadline, ins.instruction_id))
-            self.drains.add(task)
-            task.add_done_callback(self.drains.discard)
+            self._start_drain(node, time.monotonic() + grace, ins.instruction_id)
+
+    def _start_drain(self, node: str, deadline: float, instruction_id: str) -> None:
+        self.draining.add(node)
+        task = asyncio.create_task(self.drain(node, deadline, instruction_id))
+        self.drains.add(task)
+        task.add_done_callback(self.drains.discard)
+        task.add_done_callback(lambda _t: self.draining.discard(node))
+
+    def resume_drains(self, items: list[dict[str, Any]]) -> list[str]:
+        """Drains a previous operator process (or leader) started and did not finish: UpcomingNodes
+        still Draining with the deadline this operator recorded. Without this the node stays cordoned
+        with its pods until someone notices; resumed, it ends Drained or Failed with the reason."""
+        resumed = []
+        for o in items:
+            st = o.get("status") or {}
+            node = ((st.get("nodeRef") or {}).get("name")) or ""
+            due = st.get("drainDeadline")
+            if st.get("phase") != "Draining" or not node or not due or node in self.draining:
+                continue
+            try:
+                left = dt.datetime.fromisoformat(str(due)).timestamp() - time.time()
+            except ValueError:
+                left = 0.0  # unreadable: one last pass, then Drained or Failed
+            self._start_drain(node, time.monotonic() + max(0.0, left), "resumed")
+            resumed.append(node)
+            log.info("resuming an interrupted drain", node=node, upcoming=o["metadata"]["name"],
+                     seconds_left=round(max(0.0, left), 1))
+        return resumed
 
     async def drain(self, node: str, deadline: float, instruction_id: str = "") -> bool:
         """Evict every non-DaemonSet pod on ``node``; 429 (PDB) is retried until ``deadline``."""
