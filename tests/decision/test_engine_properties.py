@@ -281,7 +281,8 @@ def test_bulk_crediting_equals_machine_by_machine(ms: list[Machine], ns: list[Ne
     from bigfleet.decision import credit
 
     fast = _decide(ns, ms, ready)
-    with mock.patch.object(credit, "_take_runs", lambda *a: False):
+    with mock.patch.object(credit, "_take_runs", lambda *a: False), \
+            mock.patch.object(credit, "_cluster_plans", lambda *a: None):
         slow = _decide(ns, ms, ready)
     assert fast == slow
 
@@ -308,7 +309,8 @@ def test_bulk_crediting_equals_machine_by_machine_on_dense_classes(ms: list[Mach
 
     ready = frozenset(CLUSTERS)
     fast = _decide(ns, ms, ready, EngineConfig(reclaim_cap_fraction=0))
-    with mock.patch.object(credit, "_take_runs", lambda *a: False):
+    with mock.patch.object(credit, "_take_runs", lambda *a: False), \
+            mock.patch.object(credit, "_cluster_plans", lambda *a: None):
         slow = _decide(ns, ms, ready, EngineConfig(reclaim_cap_fraction=0))
     assert fast == slow
 

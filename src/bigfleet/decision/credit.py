@@ -328,18 +328,171 @@ def credit_plain(cy: CycleScratch, n: NeedRow) -> None:
         return
     bound = cy.ix.bound.get(n.cluster)
     if bound:  # nothing bound here (every need of a bootstrapping cluster): no plan to set up
-        for state, runs in _plans(cy, n, bound):
-            if not any(n.remaining):
-                return
-            if _take_runs(cy, n, state, runs):
-                continue
-            for c, m in keep_stream(cy, n, state, bound_lists(cy, n, state)):
-                if not any(n.remaining):
-                    return
-                hold(cy, m, n)
-                n.remaining = vsub(n.remaining, cy.alloc[c.idx])
+        _credit_bound_checked(cy, n, bound)
     if any(n.remaining):
         credit_reserved(cy, n)
+
+
+def _credit_bound_checked(cy: CycleScratch, n: NeedRow, bound: dict[int, dict[int, list[Machine]]]) -> None:
+    """The need's bound credit: in bulk where its runs are clean, machine by machine where not."""
+    for state, runs in _plans(cy, n, bound):
+        if not any(n.remaining):
+            return
+        if _take_runs(cy, n, state, runs):
+            continue
+        for c, m in keep_stream(cy, n, state, bound_lists(cy, n, state)):
+            if not any(n.remaining):
+                return
+            hold(cy, m, n)
+            n.remaining = vsub(n.remaining, cy.alloc[c.idx])
+
+
+class _Slice:
+    """A run of `credit_cluster_bound`: machines of equal allocatable in keep order, `ms[cur:]`
+    still unheld and everything before `cur` held."""
+
+    __slots__ = ("alloc", "cur", "ms")
+
+    def __init__(self, alloc: Vec, ms: list[Machine]) -> None:
+        self.alloc = alloc
+        self.ms = ms
+        self.cur = 0
+
+
+#: per bound state with matching machines: (state is CONFIGURED, its runs in keep order)
+_SlicePlan = list[tuple[bool, list[_Slice]]]
+
+
+def credit_cluster_bound(cy: CycleScratch, cluster: str, rows: list[NeedRow],
+                         bound: dict[int, dict[int, list[Machine]]]) -> None:
+    """Bound credit (reservations are the caller's) of one cluster's plain rows, in precedence order.
+
+    Only the cluster's own bound machines are read or held, so clusters do not interact here. When
+    the rows' eligible classes present in the cluster are, per state, pairwise disjoint or equal
+    (needs of distinct shapes: the common case), each run is only ever held as a prefix: no row
+    needs `_take_runs`' skip over held machines nor its `isdisjoint` check, and rows with equal
+    classes share one plan. Otherwise every row is credited as `credit_plain` does."""
+    plans = _cluster_plans(cy, rows, bound)
+    if plans is None:
+        for n in rows:
+            if any(n.remaining):
+                _credit_bound_checked(cy, n, bound)
+        return
+    held = cy.held.get(cluster)
+    if held is None:
+        held = cy.held[cluster] = {}
+    zero = cy.zero
+    conf_total = 0
+    for n, plan in zip(rows, plans, strict=True):
+        rem = n.remaining
+        for conf, runs in plan:
+            if not any(rem):
+                break
+            taken = 0
+            for r in runs:
+                i = r.cur
+                ms = r.ms
+                left = len(ms) - i
+                a = r.alloc
+                k = 0  # units_to_cover, inlined
+                for x, u in zip(rem, a, strict=False):
+                    if x > 0:
+                        if u <= 0:
+                            k = left
+                            break
+                        q = -(-x // u)
+                        if q > k:
+                            k = q
+                if k > left:
+                    k = left
+                if k <= 0:
+                    continue
+                j = r.cur = i + k
+                got = ms[i:j]
+                held.update(zip(map(MACHINE_ID, got), repeat(n)))
+                n.claimed.extend(got)
+                taken += k
+                if k < left:  # fewer than the limit: k covers `rem` (allocatable is never negative)
+                    rem = zero
+                    break
+                rem = tuple([x - u * k if x > u * k else 0 for x, u in zip(rem, a, strict=False)])  # vsub
+                if not any(rem):
+                    break
+            if taken:
+                n.credited += taken
+                if conf:
+                    n.conf_credited += taken
+                    conf_total += taken
+        n.remaining = rem
+    if conf_total:
+        cy.hconf[cluster] = cy.hconf.get(cluster, 0) + conf_total
+
+
+def _cluster_plans(cy: CycleScratch, rows: list[NeedRow], bound: dict[int, dict[int, list[Machine]]]
+                   ) -> list[_SlicePlan] | None:
+    """Per row its plan (empty when it wants nothing): one per distinct eligible set, one run list per
+    distinct set of the cluster's classes; None when two distinct such sets of one state overlap."""
+    #: (state is CONFIGURED, its bound lists, the classes some plan already runs over)
+    states: list[tuple[bool, dict[int, list[Machine]], set[int]]] = [
+        (st == CONFIGURED, by_class, set()) for st in (CONFIGURED, CONFIGURING) if (by_class := bound.get(st))]
+    by_tok: dict[int, _SlicePlan] = {}
+    by_sel: dict[tuple[bool, frozenset[int]], list[_Slice]] = {}
+    fp_eligible = cy.fp_eligible
+    out: list[_SlicePlan] = []
+    for n in rows:
+        if not any(n.remaining):
+            out.append([])
+            continue
+        hit = fp_eligible.get(n.fp)
+        if hit is not None and hit[0] == n.minu:
+            tok = hit[1]
+        else:
+            tok = cy.eligible_set(n)
+            fp_eligible[n.fp] = (n.minu, tok)
+        plan = by_tok.get(id(tok))  # (the set lives in the scratch's eligibility memo: its id is stable)
+        if plan is None:
+            plan = by_tok[id(tok)] = []
+            for conf, by_class, covered in states:
+                common = tok.intersection(by_class)
+                if not common:
+                    continue
+                sk = (conf, frozenset(common))
+                runs = by_sel.get(sk)
+                if runs is None:
+                    if not covered.isdisjoint(common):
+                        return None
+                    covered |= common
+                    runs = by_sel[sk] = _sel_runs(cy, by_class, common)
+                if runs:
+                    plan.append((conf, runs))
+        out.append(plan)
+    return out
+
+
+def _sel_runs(cy: CycleScratch, by_class: dict[int, list[Machine]], common: set[int]) -> list[_Slice]:
+    """`_keep_runs` over the lists of `common`: C-level passes when every class has one plain
+    reclamation stamp (then a class is one segment, and classes sort by (price, stamp desc, rank))."""
+    sel = sorted(common, key=cy.keep_rank().__getitem__)
+    lsts = list(map(by_class.__getitem__, sel))
+    firsts = list(map(RECLAMATION_STAMP, map(_FIRST, lsts)))
+    if firsts != list(map(RECLAMATION_STAMP, map(_LAST, lsts))) or any(map(isnan, firsts)) or min(firsts) < 0:
+        return [_Slice(r.alloc, r.ms) for r in _mixed_stamp_runs(cy, by_class, common)] or [
+            _Slice(a, ms) for a, ms in _keep_runs(cy, [(cy.ix.classes[ci], by_class[ci]) for ci in sel])]
+    if firsts.count(firsts[0]) != len(firsts):  # (ranks are unique: tuples never compare past them)
+        order = sorted(zip(map(cy.class_prices().__getitem__, sel), map(neg, firsts),
+                           map(cy.class_rank().__getitem__, sel), range(len(sel)), strict=True))
+        pick = list(map(_FOURTH, order))
+        sel = list(map(sel.__getitem__, pick))
+        lsts = list(map(lsts.__getitem__, pick))
+    alloc = cy.alloc
+    groups = list(map(cy.alloc_group().__getitem__, sel))
+    if groups.count(groups[0]) == len(groups):  # one allocatable (common): one run
+        return [_Slice(alloc[sel[0]], list(chain.from_iterable(lsts)))]
+    runs = []
+    for _, grp in groupby(range(len(sel)), key=groups.__getitem__):
+        pos = list(grp)
+        runs.append(_Slice(alloc[sel[pos[0]]], list(chain.from_iterable(map(lsts.__getitem__, pos)))))
+    return runs
 
 
 def credit_reserved(cy: CycleScratch, n: NeedRow, domain: str | None = None) -> None:
