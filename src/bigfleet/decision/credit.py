@@ -432,11 +432,10 @@ def _cluster_plans(cy: CycleScratch, rows: list[NeedRow], bound: dict[int, dict[
                    ) -> list[_SlicePlan] | None:
     """Per row its plan (empty when it wants nothing): one per distinct eligible set, one run list per
     distinct set of the cluster's classes; None when two distinct such sets of one state overlap."""
-    #: (state is CONFIGURED, its bound lists, the classes some plan already runs over)
-    states: list[tuple[bool, dict[int, list[Machine]], set[int]]] = [
-        (st == CONFIGURED, by_class, set()) for st in (CONFIGURED, CONFIGURING) if (by_class := bound.get(st))]
+    #: (state is CONFIGURED, its bound lists, the classes some plan already runs over, (classes, runs))
+    states: list[tuple[bool, dict[int, list[Machine]], set[int], list[tuple[set[int], list[_Slice]]]]] = [
+        (st == CONFIGURED, by_class, set(), []) for st in (CONFIGURED, CONFIGURING) if (by_class := bound.get(st))]
     by_tok: dict[int, _SlicePlan] = {}
-    by_sel: dict[tuple[bool, frozenset[int]], list[_Slice]] = {}
     fp_eligible = cy.fp_eligible
     out: list[_SlicePlan] = []
     for n in rows:
@@ -452,30 +451,48 @@ def _cluster_plans(cy: CycleScratch, rows: list[NeedRow], bound: dict[int, dict[
         plan = by_tok.get(id(tok))  # (the set lives in the scratch's eligibility memo: its id is stable)
         if plan is None:
             plan = by_tok[id(tok)] = []
-            for conf, by_class, covered in states:
+            for conf, by_class, covered, sels in states:
                 common = tok.intersection(by_class)
                 if not common:
                     continue
-                sk = (conf, frozenset(common))
-                runs = by_sel.get(sk)
-                if runs is None:
-                    if not covered.isdisjoint(common):
-                        return None
+                if covered.isdisjoint(common):
                     covered |= common
-                    runs = by_sel[sk] = _sel_runs(cy, by_class, common)
+                    runs = _sel_runs(cy, by_class, common, _one_alloc(cy, tok))
+                    sels.append((common, runs))
+                else:  # the same classes as another set's (one shared run list), or an overlap
+                    same = next((r for c, r in sels if c == common), None)
+                    if same is None:
+                        return None
+                    runs = same
                 if runs:
                     plan.append((conf, runs))
         out.append(plan)
     return out
 
 
-def _sel_runs(cy: CycleScratch, by_class: dict[int, list[Machine]], common: set[int]) -> list[_Slice]:
+def _one_alloc(cy: CycleScratch, tok: set[int]) -> bool:
+    """Whether every class of the eligible set has one allocatable (memoised per set)."""
+    got = cy.one_alloc.get(id(tok))
+    if got is None:
+        got = cy.one_alloc[id(tok)] = len(set(map(cy.alloc_group().__getitem__, tok))) == 1
+    return got
+
+
+def _sel_runs(cy: CycleScratch, by_class: dict[int, list[Machine]], common: set[int], one_alloc: bool
+              ) -> list[_Slice]:
     """`_keep_runs` over the lists of `common`: C-level passes when every class has one plain
     reclamation stamp (then a class is one segment, and classes sort by (price, stamp desc, rank))."""
     sel = sorted(common, key=cy.keep_rank().__getitem__)
     lsts = list(map(by_class.__getitem__, sel))
-    firsts = list(map(RECLAMATION_STAMP, map(_FIRST, lsts)))
-    if firsts != list(map(RECLAMATION_STAMP, map(_LAST, lsts))) or any(map(isnan, firsts)) or min(firsts) < 0:
+    # (attribute reads in a comprehension: cheaper than a dotted attrgetter)
+    stamps = [lst[0].assignment.reclamation_penalty_dollars for lst in lsts]
+    stamps += [lst[-1].assignment.reclamation_penalty_dollars for lst in lsts]
+    s0 = stamps[0]
+    if one_alloc and s0 >= 0 and stamps.count(s0) == len(stamps):  # one plain stamp (common): one run
+        return [_Slice(cy.alloc[sel[0]], list(chain.from_iterable(lsts)))]
+    half = len(lsts)
+    firsts = stamps[:half]
+    if firsts != stamps[half:] or any(map(isnan, firsts)) or min(firsts) < 0:
         return [_Slice(r.alloc, r.ms) for r in _mixed_stamp_runs(cy, by_class, common)] or [
             _Slice(a, ms) for a, ms in _keep_runs(cy, [(cy.ix.classes[ci], by_class[ci]) for ci in sel])]
     if firsts.count(firsts[0]) != len(firsts):  # (ranks are unique: tuples never compare past them)

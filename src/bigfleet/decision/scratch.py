@@ -240,6 +240,8 @@ class CycleScratch:
         #: Phase-1 credit: fingerprint → (MinUnit, eligible class set); (cluster, id(that set)) → plan
         self.fp_eligible: dict[str, tuple[Vec, set[int]]] = {}
         self.credit_plans: dict[tuple[str, int], Any] = {}
+        #: id(eligible class set) → whether its classes share one allocatable
+        self.one_alloc: dict[int, bool] = {}
         #: (cluster, bound state) → its bound classes in keep order (None: some class has several stamps)
         self.keep_orders: dict[tuple[str, int], Any] = {}
         self.merged_keep_order: dict[int, tuple[Any, list[tuple[MClass, Machine]]]] = {}
