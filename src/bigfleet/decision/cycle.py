@@ -32,7 +32,7 @@ from .reclaim import ReclaimWalk, reclaim_all
 from .release import idle_releases
 from .scratch import CycleScratch, NeedRow, RowMaker
 from .types import Action, Decision, Drain, EngineConfig, EngineState, PhaseStats, Verdict
-from .verdicts import need_verdicts
+from .verdicts import rows_verdicts
 
 _MACHINE_ID = attrgetter("id")
 _ORDER = attrgetter("order")
@@ -74,7 +74,18 @@ class ClusterCache:
         #: rows short after Phase 1: their unmet age moves every cycle (the ledgers follow through
         #: `short`; the verdicts hold each streak's start, re-issued by `aged` only if it moves; the
         #: rows' own `unmet_age` stays as first computed)
-        self.unmet_rows = [n for n in rows if any(n.p1_remaining)]
+        self.unmet_rows: list[NeedRow] = []
+        credited = folded = 0
+        no_gang = True
+        for n in rows:  # (one plain loop: cheaper than a generator or C-level map per field)
+            if any(n.p1_remaining):
+                self.unmet_rows.append(n)
+            credited += n.credited
+            if n.same is not None:
+                no_gang = False
+            members = n.members
+            if len(members) > 1 or members[0] is not n.need:
+                folded += len(members)
         self.short = ShortPart(self.unmet_rows[0].cluster, self.unmet_rows) if self.unmet_rows else None
         self.aged = _AgedVerdicts(verdicts, self.short.keys) if self.short is not None else None
         self.needs = needs
@@ -84,13 +95,16 @@ class ClusterCache:
         self.drains: ReclaimMemo | None = None
         self.walk: ReclaimWalk | None = None
         self.domains = domains
-        self.folded = sum(1 for v in verdicts if v.folded_into)
+        #: verdicts of folded needs (one per member of a folded row)
+        self.folded = folded
         self.hconf = hconf
-        self.credited = sum(n.credited for n in rows)
+        self.credited = credited
         #: what `_still_stable` compares against the carried state (Same rows only; usually empty)
-        self.gangs = tuple((n.park_key, n.park_age, n.same_domain) for n in rows if n.same is not None)
-        #: no Same need (whose folding depends on which classes the cluster holds), every need met
-        self.plain = watch is None and all(nd.profile.same is None for nd in needs)
+        self.gangs = () if no_gang else tuple((n.park_key, n.park_age, n.same_domain) for n in rows
+                                              if n.same is not None)
+        #: no Same need (whose folding depends on which classes the cluster holds), every need met. A
+        #: Same need's row is a gang or folded, so the rows tell without a look at every profile.
+        self.plain = watch is None and no_gang and not folded
 
     def keep_if_unheld_lost(self, ix: Index, cluster: str, cver: int) -> None:
         """Follow the cluster's new version when this sync only removed machines none of its needs
@@ -409,10 +423,9 @@ class Engine:
                 domains.update(cc.domains)
                 continue
             fc = fresh_by_cluster[c]
-            vs: list[Verdict] = []
+            vs = rows_verdicts(cy, fc.rows)
             doms: dict[str, str] = {}
             for n in fc.rows:
-                vs.extend(need_verdicts(cy, n, any(n.p1_remaining)))
                 if n.same is not None and n.same_domain:
                     doms[n.park_key] = n.same_domain
             vs.sort(key=_VERDICT_ORDER)
@@ -597,17 +610,24 @@ def _age_parking(rows: list[NeedRow], state: EngineState, config: EngineConfig) 
 def _stats(ix: Index, split: _Split, work: list[NeedRow], led: Ledgers, preempts: int, victims_scanned: int,
            reclaims: int, deferred: int, releases: int, truncated: int) -> PhaseStats:
     cached = split.cached.values()
+    credited = bootstraps = provisions = parked = 0
+    for n in work:  # (one loop: a generator per sum cost more than the sums)
+        credited += n.credited
+        bootstraps += len(n.acquired_idle)
+        provisions += len(n.acquired_spec)
+        if n.parked:
+            parked += 1
     return PhaseStats(
         needs_in=split.needs_in,
         needs_normalized=len(work) + sum(len(cc.rows) for cc in cached),
         needs_folded=split.folded + sum(cc.folded for cc in cached),
         machines=ix.total,
         machine_classes=len(ix.classes),
-        credited=sum(n.credited for n in work) + sum(cc.credited for cc in cached),
-        bootstraps=sum(len(n.acquired_idle) for n in work),
-        provisions=sum(len(n.acquired_spec) for n in work),
+        credited=credited + sum(cc.credited for cc in cached),
+        bootstraps=bootstraps,
+        provisions=provisions,
         unsatisfied=led.unsatisfied,
-        parked=sum(1 for n in work if n.parked),
+        parked=parked,
         preempts=preempts,
         unresolved=led.unresolved,
         victims_scanned=victims_scanned,

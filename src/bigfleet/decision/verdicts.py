@@ -9,7 +9,6 @@ from .index import (
     IDLE,
     SPEC,
 )
-from .records import build_fast
 from .scratch import CycleScratch, NeedRow
 from .types import (
     MatchingSupply,
@@ -63,6 +62,25 @@ def _resources(cy: CycleScratch, v: Vec) -> Resources:
     return got
 
 
+#: the fields of a met need's verdict that do not come from its row, in `need_verdicts`' key order
+_MET: dict[str, object] = {
+    "satisfied": True, "deficit": EMPTY, "claimed_count": 0, "bootstrap_count": 0, "provision_count": 0,
+    "same_domain": "", "same_satisfiable": False, "parked": False, "parked_age_cycles": 0, "unmet_since": -1,
+    "unmet_reason": UnmetReason.SATISFIED, "matching_supply": _NO_SUPPLY, "victims_found": 0,
+    "capacity_freed": None, "folded_into": "", "claimed_configured": 0, "cluster_id": "", "fingerprint": "",
+}
+_new = object.__new__
+_set_attr = object.__setattr__
+
+
+def _verdict(fields: dict[str, object]) -> Verdict:
+    """A `Verdict` holding `fields` (every field, none other) as its attribute dict: no copy, and
+    equality, hash and repr as if built by `__init__`."""
+    v: Verdict = _new(Verdict)
+    _set_attr(v, "__dict__", fields)
+    return v
+
+
 def need_verdicts(cy: CycleScratch, n: NeedRow, unsat: bool) -> list[Verdict]:
     supply = _matching_supply(cy, n) if unsat else _NO_SUPPLY
     members = n.members
@@ -78,12 +96,36 @@ def need_verdicts(cy: CycleScratch, n: NeedRow, unsat: bool) -> list[Verdict]:
         "parked_age_cycles": n.park_age, "unmet_since": cy.cycle - n.unmet_age if unsat else -1,
         "unmet_reason": reason, "matching_supply": supply, "victims_found": n.victims,
         "capacity_freed": freed, "folded_into": into,
-        "claimed_configured": n.conf_credited,
+        "claimed_configured": n.conf_credited, "cluster_id": "", "fingerprint": "",
     }
     out = []
     for m in members:
-        fields = dict(common)
+        fields = common.copy()
         fields["cluster_id"] = m.cluster_id
         fields["fingerprint"] = m.profile._fingerprint
-        out.append(build_fast(Verdict, fields))
+        out.append(_verdict(fields))
+    return out
+
+
+def rows_verdicts(cy: CycleScratch, rows: list[NeedRow]) -> list[Verdict]:
+    """The verdicts of `rows` in row order (each row's members in order). A met row of one plain,
+    unfolded need (most of a cycle's) is a copy of one template with its own six fields set: its
+    gang, preemption, unmet and folding fields all hold their defaults."""
+    out: list[Verdict] = []
+    for n in rows:
+        if any(n.p1_remaining):
+            out += need_verdicts(cy, n, True)
+            continue
+        members = n.members
+        if n.same is not None or n.victims or len(members) > 1 or members[0] is not n.need:
+            out += need_verdicts(cy, n, False)
+            continue
+        fields = _MET.copy()
+        fields["claimed_count"] = len(n.claimed)
+        fields["bootstrap_count"] = len(n.acquired_idle)
+        fields["provision_count"] = len(n.acquired_spec)
+        fields["claimed_configured"] = n.conf_credited
+        fields["cluster_id"] = n.cluster
+        fields["fingerprint"] = n.fp
+        out.append(_verdict(fields))
     return out
