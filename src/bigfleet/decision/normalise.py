@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from operator import attrgetter
-from typing import Any, cast
+from typing import Any
 
 from bigfleet.needs import Need, Operator, Profile, Requirement, Resources
 
@@ -14,7 +14,7 @@ from .index import (
     CONFIGURING,
     Index,
 )
-from .scratch import NeedRow, ProfileInfo, RowMaker
+from .scratch import NeedRow, RowMaker
 
 _SAME_OF: Callable[[Profile], Requirement | None] = attrgetter("same")
 
@@ -135,13 +135,9 @@ def normalize_rows(needs: Sequence[Need], ix: Index, free_classes: set[int] | No
 def cluster_rows(maker: RowMaker, needs: Sequence[Need], ix: Index, free_classes: set[int], fold: FoldMemo
                  ) -> tuple[list[NeedRow], int, bool]:
     """`normalize_rows` and the cluster's `NeedRow`s. A cluster without Same needs (most) folds
-    nothing: its rows are built straight from the needs, one profile lookup each."""
-    infos = maker.infos
-    got = [infos.get(nd.profile._fingerprint) for nd in needs]
-    if None in got:
-        got = [maker.info(nd.profile) for nd in needs]
-    profile_infos = cast(list[ProfileInfo], got)
-    if all(i[6] is None for i in profile_infos):
-        return maker.plain_rows(needs, profile_infos), 0, False
+    nothing: its rows are built straight from the needs, in one pass with their profile lookups."""
+    rows = maker.plain_rows(needs)
+    if rows is not None:
+        return rows, 0, False
     raw, folded, free_dep = normalize_rows(needs, ix, free_classes, maker.same_of, fold)
     return maker.rows(raw), folded, free_dep

@@ -180,11 +180,18 @@ class RowMaker:
             got = self.arrivals[arrival] = ordered_int(arrival)
         return got
 
-    def plain_rows(self, needs: Sequence[Need], infos: list[ProfileInfo]) -> list[NeedRow]:
-        """One row per need (no folding), `infos` their profiles' infos: the per-need loop inlined."""
-        vecs, vec, zero, arrivals = self.vecs, self.vec, self.zero, self.arrivals
+    def plain_rows(self, needs: Sequence[Need]) -> list[NeedRow] | None:
+        """One row per need (no folding), or None when some need has a Same requirement (its
+        cluster is normalised first): the per-need loop inlined, profiles looked up in the same pass."""
+        infos, info_of, vecs, vec, zero, arrivals = self.infos, self.info, self.vecs, self.vec, self.zero, self.arrivals
         out = []
-        for nd, info in zip(needs, infos, strict=True):
+        for nd in needs:
+            p = nd.profile
+            info = infos.get(p._fingerprint)
+            if info is None:
+                info = info_of(p)
+            if info[6] is not None:
+                return None
             agg, minu = nd.aggregate_resources, nd.min_unit
             a = vecs.get(agg._items)
             if a is None:
