@@ -487,7 +487,7 @@ def _file_many(ix: Index, ms: Iterable[Machine], add: bool) -> list[Machine]:
     conf: dict[int, list[Machine]] = {}
     drain: dict[int, list[Machine]] = {}
     cls_of: dict[int, int] = {}  # id(shape) → class (the batch holds the shapes, so ids stay theirs)
-    gone_ids: dict[str, list[str]] = {}  # cluster → ids of bound records removed (read while the record is hot)
+    loose = 0  # CONFIGURED records without a cluster (in `conf` only)
     configured, configuring, draining = S.CONFIGURED, S.CONFIGURING, S.DRAINING
     for m in ms:  # (~1 µs a record: locals only, one dict step per list)
         st = m.state
@@ -510,20 +510,19 @@ def _file_many(ix: Index, ms: Iterable[Machine], add: bool) -> list[Machine]:
                     bound[k] = [m]
                 else:
                     grp.append(m)
-                if not add:
-                    gone_ids.setdefault(cluster, []).append(m.id)
             elif st is configured:
                 conf.setdefault(ci, []).append(m)
+                loose += 1
         else:
             rest.append(m)
     _file_bound(ix, bound, add)
-    for cluster, ids in gone_ids.items():
-        ix.bound_log[cluster].removed.extend(ids)
-    for (_c, st, ci), grp in bound.items():  # (the class-wide Configured lists get the bound ones too)
+    log = ix.bound_log
+    for (cluster, st, ci), grp in bound.items():  # (the class-wide Configured lists get the bound ones too)
+        if not add:  # (ids per list, C-level: a per-record log append cost ~0.2 µs)
+            log[cluster].removed.extend(map(_ID, grp))
         if st is configured:
             conf.setdefault(ci, []).extend(grp)
-    n = sum(map(len, bound.values())) + sum(map(len, drain.values()))
-    n += sum(1 for grp in conf.values() for m in grp if not m.cluster)
+    n = sum(map(len, bound.values())) + sum(map(len, drain.values())) + loose
     ix.total += n if add else -n
     for ci, grp in conf.items():
         _defer(ix._configured_pending, ci, grp, add)
@@ -643,7 +642,11 @@ def _remove_many(lst: list[Machine], grp: list[Machine], key: Callable[[Machine]
         return
     if not c_key or k * 10 > size:
         ids = set(map(id, grp))
-        # a reclaim wave drains each keep-ordered list from its end: try the tail first
+        # a reclaim wave drains each keep-ordered list from its end: usually `grp` is exactly its
+        # last k records (one C-level check), else try a slightly longer tail first
+        if k <= size and ids.issuperset(map(id, lst[size - k:])):
+            del lst[size - k:]
+            return
         lo = max(0, size - 2 * k - 8)
         kept = [x for x in lst[lo:] if id(x) not in ids]
         if len(kept) != size - lo - k:
