@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import heapq
 import math
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from itertools import chain, filterfalse
 from operator import attrgetter
-from typing import Any, Protocol
+from typing import Protocol
 
 from bigfleet.machine.record import Machine
 
@@ -32,7 +31,7 @@ def excess_drains(cy: CycleScratch, cluster: str, grace: int, limit: int, exclud
     lose first (reclamation asc, price desc, id desc), and how many such machines there are.
 
     Each class list is kept in keep order (reclamation desc, id asc), so read from its end it is a
-    series of equal-penalty segments in reclaim order; a heap over the classes' next segments yields
+    series of equal-penalty segments in reclaim order; buckets of the classes' next segments yield
     them bucket by bucket (equal reclamation and price), and only a bucket spanning several classes
     needs an id sort (C-level). With `memo` (a cached cluster, nothing excluded) the walk resumes
     where the last cycle's stopped when only explored machines left since (see `ReclaimWalk`).
@@ -65,21 +64,25 @@ def excess_drains(cy: CycleScratch, cluster: str, grace: int, limit: int, exclud
 
 class ReclaimWalk:
     """A cached cluster's reclaim order explored so far: `ids` (unheld, in order; whole buckets) and
-    the heap of each class's next unexplored segment.
+    each class's next unexplored segment, by bucket.
 
     Valid next cycle while the cluster keeps its held set (its `ClusterCache` lives on) and its bound
-    lists only lost machines this walk had explored: those sit at or past each heap entry's position,
+    lists only lost machines this walk had explored: those sit at or past each segment entry's position,
     so the positions still hold, and dropping them from `ids` leaves a prefix of the new order. A
     reclaim wave (each cycle's drains start) then costs the drains, not a re-read of every held
     machine in the buckets it passes again (which grew with every wave)."""
 
-    __slots__ = ("heap", "ids", "seen", "ver")
+    __slots__ = ("buckets", "ids", "seen", "ver")
 
     def __init__(self, cy: CycleScratch, by_class: dict[int, list[Machine]], ver: int) -> None:
         classes = cy.ix.classes
-        self.heap: list[tuple[float, Any, int, int]] = [
-            (m_reclamation(lst[-1]), -classes[ci].shape.price_per_hour, ci, len(lst)) for ci, lst in by_class.items()]
-        heapq.heapify(self.heap)
+        #: (reclamation, -price) → (class, end) of each class's next unexplored segment with that
+        #: key: a bucket is a dict entry, so each segment costs one append instead of a heap push
+        #: and pop over every class of the cluster (tuple compares of equal keys, ~2 000
+        #: instructions a segment); the next bucket is the least key (a few dozen at most)
+        self.buckets: dict[tuple[float, float], list[tuple[int, int]]] = {}
+        for ci, lst in by_class.items():
+            _add_segment(self.buckets, (m_reclamation(lst[-1]), -classes[ci].shape.price_per_hour), ci, len(lst))
         self.ids: list[str] = []
         self.seen: set[str] = set()
         self.ver = ver
@@ -87,17 +90,17 @@ class ReclaimWalk:
     def first(self, cy: CycleScratch, by_class: dict[int, list[Machine]], held: Mapping[str, object],
               exclude: set[str], limit: int) -> list[str]:
         """Ids of the first `limit` unheld, unexcluded machines in reclaim order (exploring on)."""
-        heap, out = self.heap, self.ids
-        while heap and len(out) < limit:
-            r, neg_price = heap[0][0], heap[0][1]
+        buckets, out = self.buckets, self.ids
+        while buckets and len(out) < limit:
+            key = min(buckets)
+            r, neg_price = key
             segs: list[list[Machine]] = []
-            while heap and heap[0][0] == r and heap[0][1] == neg_price:
-                _, _, ci, hi = heapq.heappop(heap)
+            for ci, hi in buckets.pop(key):
                 lst = by_class[ci]
                 lo = 0 if m_reclamation(lst[0]) == r else bisect_left(lst, -r, 0, hi, key=_negated_reclamation)
                 segs.append(lst[lo:hi])
-                if lo:
-                    heapq.heappush(heap, (m_reclamation(lst[lo - 1]), neg_price, ci, lo))
+                if lo:  # (a higher reclamation: never this bucket's key)
+                    _add_segment(buckets, (m_reclamation(lst[lo - 1]), neg_price), ci, lo)
             # ids first (one touch per record), held ones out, and only the rest sorted (id desc)
             ids = list(map(_MACHINE_ID, chain.from_iterable(segs) if len(segs) > 1 else segs[0]))
             if held:  # (C-level filters: a Python test per id cost ~0.4 µs)
@@ -108,6 +111,15 @@ class ReclaimWalk:
             self.seen.update(ids)
             out.extend(ids)
         return out[:limit]
+
+
+def _add_segment(buckets: dict[tuple[float, float], list[tuple[int, int]]], key: tuple[float, float], ci: int,
+                 hi: int) -> None:
+    got = buckets.get(key)
+    if got is None:
+        buckets[key] = [(ci, hi)]
+    else:
+        got.append((ci, hi))
 
 
 def _resumed(cy: CycleScratch, cluster: str, walk: ReclaimWalk | None, by_class: dict[int, list[Machine]]
