@@ -138,7 +138,9 @@ def _resumed(cy: CycleScratch, cluster: str, walk: ReclaimWalk | None, by_class:
 
 
 def _negated_reclamation(m: Machine) -> float:
-    return -m_reclamation(m)
+    """``-m_reclamation(m)``, inlined: the bisect calls it ~6 times a segment."""
+    v = m.assignment.reclamation_penalty_dollars
+    return -0.0 if v != v or v < 0 else -v
 
 
 _MACHINE_ID = attrgetter("id")
