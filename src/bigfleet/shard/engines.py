@@ -143,7 +143,8 @@ class WorkerEngine:
                 reply = await worker.call(req)
             except engineproc.WorkerGone as exc:
                 last_error = str(exc)
-                log.warning("engine worker failed; replacing it", error=last_error, attempt=attempt, pid=worker.pid)
+                log.warning("engine worker failed; replacing it (full resync)", error=last_error,
+                            attempt=attempt, pid=worker.pid)
                 await worker.discard()
                 self.metrics.engine_worker_restarts.inc()
                 feed.reset()
