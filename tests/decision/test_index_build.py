@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -93,3 +94,15 @@ def test_cluster_parts_equal_groupby_for_long_and_short_runs() -> None:
         assert [(c, _ids(p)) for c, p in _cluster_parts(ms)] == want
         seen.add(n >= 64 and _long_runs(ms))
     assert seen == {True, False}  # both paths ran
+
+
+@pytest.mark.parametrize(("run", "long"), [(1, False), (2, False), (3, False), (4, False), (8, False),
+                                           (32, True), (100, True)])
+def test_long_runs_reads_run_length_whatever_the_alignment(run: int, long: bool) -> None:
+    """Runs of one length line up with any even stride; the check must still see them as short
+    (runs of 2 once took the per-run binary search in 60 of aggregated-500k's 320 classes)."""
+    from bigfleet.decision.index import _long_runs
+
+    for n in (64, 65, 300, 1400, 1401, 2000):
+        ms = [machine(f"m{i:05d}", S.CONFIGURED, cluster=f"c{i // run:05d}") for i in range(n)]
+        assert _long_runs(ms) is long, (run, n)
