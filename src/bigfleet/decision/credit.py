@@ -127,8 +127,8 @@ def _state_runs(cy: CycleScratch, n: NeedRow, state: int, by_class: dict[int, li
     if keep is None:
         if tok.isdisjoint(by_class):
             return []
-        return _mixed_stamp_runs(cy, by_class, tok) or [
-            _Run(a, ms) for a, ms in _keep_runs(cy, bound_lists(cy, n, state))]
+        return [_Run(a, ms) for a, ms in _mixed_stamp_runs(cy, by_class, tok)
+                or _keep_runs(cy, bound_lists(cy, n, state))]
     order = keep.order
     common = tok.intersection(by_class)
     if not common:
@@ -145,21 +145,24 @@ def _state_runs(cy: CycleScratch, n: NeedRow, state: int, by_class: dict[int, li
             for a, grp in groupby(zip(map(alloc.__getitem__, sel), sel, strict=True), key=_FIRST)]
 
 
-def _mixed_stamp_runs(cy: CycleScratch, by_class: dict[int, list[Machine]], tok: set[int]) -> list[_Run]:
+def _mixed_stamp_runs(cy: CycleScratch, by_class: dict[int, list[Machine]], tok: set[int]
+                      ) -> list[tuple[Vec, list[Machine]]]:
     """`_keep_runs` for eligible classes of one allocatable and one price whose stamps differ: the
-    lists concatenated in class-rank order, then one stable C-level sort by stamp (desc) gives
-    (reclamation desc, class, keep order within the class), i.e. the segments' order, without a
-    Python step per segment. [] when that does not apply (odd stamps, several prices or sizes)."""
+    lists concatenated in class-rank order, then one stable C-level sort by stamp (desc; `reverse`
+    keeps equal stamps in their order) gives (reclamation desc, class, keep order within the class),
+    i.e. the segments' order, without a Python step per segment. [] when that does not apply (odd
+    stamps, several prices or sizes). The run's ids are the caller's to read, if it needs them."""
     sel = sorted(tok.intersection(by_class), key=cy.keep_rank().__getitem__)
     groups = list(map(cy.alloc_group().__getitem__, sel))
     prices = cy.class_prices()
     if groups.count(groups[0]) != len(groups) or len(set(map(prices.__getitem__, sel))) != 1:
         return []
     ms = list(chain.from_iterable(map(by_class.__getitem__, sel)))
-    neg_stamps = list(map(neg, map(RECLAMATION_STAMP, ms)))
-    if any(map(isnan, neg_stamps)) or max(neg_stamps) > 0:
+    stamps = list(map(RECLAMATION_STAMP, ms))
+    if any(map(isnan, stamps)) or min(stamps) < 0:
         return []
-    return [_Run(cy.alloc[sel[0]], list(map(ms.__getitem__, sorted(range(len(ms)), key=neg_stamps.__getitem__))))]
+    ms.sort(key=RECLAMATION_STAMP, reverse=True)
+    return [(cy.alloc[sel[0]], ms)]
 
 
 def _class_keep_order(cy: CycleScratch, by_class: dict[int, list[Machine]]) -> list[int]:
@@ -493,7 +496,7 @@ def _sel_runs(cy: CycleScratch, by_class: dict[int, list[Machine]], common: set[
     half = len(lsts)
     firsts = stamps[:half]
     if firsts != stamps[half:] or any(map(isnan, firsts)) or min(firsts) < 0:
-        return [_Slice(r.alloc, r.ms) for r in _mixed_stamp_runs(cy, by_class, common)] or [
+        return [_Slice(a, ms) for a, ms in _mixed_stamp_runs(cy, by_class, common)] or [
             _Slice(a, ms) for a, ms in _keep_runs(cy, [(cy.ix.classes[ci], by_class[ci]) for ci in sel])]
     if firsts.count(firsts[0]) != len(firsts):  # (ranks are unique: tuples never compare past them)
         order = sorted(zip(map(cy.class_prices().__getitem__, sel), map(neg, firsts),
