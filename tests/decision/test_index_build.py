@@ -106,3 +106,33 @@ def test_long_runs_reads_run_length_whatever_the_alignment(run: int, long: bool)
     for n in (64, 65, 300, 1400, 1401, 2000):
         ms = [machine(f"m{i:05d}", S.CONFIGURED, cluster=f"c{i // run:05d}") for i in range(n)]
         assert _long_runs(ms) is long, (run, n)
+
+
+@pytest.mark.parametrize("mixed_stamps", [True, False])
+@pytest.mark.parametrize("grouped_ids", [True, False])
+@pytest.mark.parametrize("run", [1, 2, 3, 17, 200])
+def test_bound_lists_are_each_clusters_machines_in_keep_order(mixed_stamps: bool, grouped_ids: bool, run: int
+                                                              ) -> None:
+    """The cold build splits a class's bound machines by cluster and files the parts with C-level
+    maps: every list must be its cluster's machines of that class and state in keep order, whatever
+    the run lengths, with machines of no cluster left out and the Configured counts summed."""
+    rnd = random.Random(run)
+    ms = []
+    for i in range(600):
+        cluster = "" if i % 97 == 0 else f"c{i // run:04d}"
+        mid = f"{cluster or 'zz'}-{i:04d}" if grouped_ids else f"m{rnd.randrange(10**9):09d}-{i}"
+        ms.append(machine(mid, S.CONFIGURED if i % 5 else S.CONFIGURING, cluster=cluster,
+                          rpd=float(rnd.choice((0, 0, 1, 3)) if mixed_stamps else 2)))
+    rnd.shuffle(ms)
+    ix = build_index(ms)
+    want: dict[str, dict[int, dict[int, list[str]]]] = {}
+    for m in sorted(ms, key=keep_key):
+        if m.cluster:
+            want.setdefault(m.cluster, {}).setdefault(int(m.state), {}).setdefault(ix.class_of_shape[m.shape], []).append(m.id)
+    got = {c: {st: {ci: _ids(lst) for ci, lst in by.items()} for st, by in sb.items()} for c, sb in ix.bound.items()}
+    assert got == want
+    for sb in ix.bound.values():  # (classes in class order within a cluster, as the incremental path files them)
+        for by in sb.values():
+            assert list(by) == sorted(by)
+    conf = {c: sum(map(len, sb.get(int(S.CONFIGURED), {}).values())) for c, sb in ix.bound.items()}
+    assert ix.configured_count == {c: k for c, k in conf.items() if k}
