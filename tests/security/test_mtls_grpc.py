@@ -37,7 +37,7 @@ async def call_code(pki: Pki, port: int, who: str, fn: str, req: object) -> grpc
     async with dial(f"127.0.0.1:{port}", cfg(pki, who)) as ch:
         stub = cgrpc.CoordinatorStub(ch)
         try:
-            await getattr(stub, fn)(req, timeout=10)
+            await getattr(stub, fn)(req, timeout=30)
         except grpc.aio.AioRpcError as e:
             return e.code()
         return grpc.StatusCode.OK
@@ -45,7 +45,7 @@ async def call_code(pki: Pki, port: int, who: str, fn: str, req: object) -> grpc
 
 async def session_code(pki: Pki, port: int, who: str, cluster_id: str) -> grpc.StatusCode:
     async with dial(f"127.0.0.1:{port}", cfg(pki, who)) as ch:
-        call = sgrpc.ShardStub(ch).Session(timeout=10)
+        call = sgrpc.ShardStub(ch).Session(timeout=30)
         try:
             await call.write(spb.OperatorMessage(hello=spb.Hello(cluster_id=cluster_id, protocol_version="v1alpha1")))
             reply = await call.read()
