@@ -139,7 +139,7 @@ def test_reclaim_order_equals_the_plain_sort(seed: int) -> None:
     ix = build_index(ms)
     cy = CycleScratch(ix, ("cpu",), {})
     held = {m.id: None for m in ms if rnd.random() < 0.3}
-    cy.held["a"] = held  # type: ignore[assignment]
+    cy.held_in("a").ids().update(held)  # type: ignore[arg-type]
     cy.hconf["a"] = len(held)
     exclude = {m.id for m in ms if rnd.random() < 0.1}
     limit = rnd.randint(1, 90)
@@ -188,7 +188,7 @@ def _check_walks(eng: Engine) -> None:
         walk = cc.walk
         if walk is None or walk.ver != ix.cluster_ver.get(c, 0):
             continue
-        left = [m for lst in ix.bound.get(c, {}).get(CONFIGURED, {}).values() for m in lst if m.id not in cc.held]
+        left = [m for lst in ix.bound.get(c, {}).get(CONFIGURED, {}).values() for m in lst if m.id not in cc.held.ids()]
         left.sort(key=lambda m: (-m_reclamation(m), m.shape.price_per_hour, m.id), reverse=True)
         assert walk.ids == [m.id for m in left[: len(walk.ids)]]
 

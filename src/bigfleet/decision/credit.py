@@ -43,10 +43,7 @@ def bound_lists(cy: CycleScratch, n: NeedRow, state: int) -> list[tuple[MClass, 
 
 
 def hold(cy: CycleScratch, m: Machine, n: NeedRow) -> None:
-    h = cy.held.get(n.cluster)
-    if h is None:
-        h = cy.held[n.cluster] = {}
-    h[m.id] = n
+    cy.held_in(n.cluster).ids()[m.id] = n
     n.claimed.append(m)
     n.credited += 1
     if m.state is CONFIGURED_STATE:
@@ -189,9 +186,7 @@ _LAST = itemgetter(-1)
 def _take_runs(cy: CycleScratch, n: NeedRow, state: int, runs: list[_Run]) -> bool:
     """Credit in bulk: one slice and one C-level dict update per run. False: a run was not clean
     (the caller finishes machine by machine; nothing taken is undone)."""
-    held = cy.held.get(n.cluster)
-    if held is None:
-        held = cy.held[n.cluster] = {}
+    held = cy.held_in(n.cluster).ids()
     rem = n.remaining
     all_taken = 0
     clean = True
@@ -284,9 +279,7 @@ def _negated_reclamation(m: Machine) -> float:
 def keep_stream(cy: CycleScratch, n: NeedRow, state: int, lists: list[tuple[MClass, list[Machine]]]
                  ) -> Iterable[tuple[MClass, Machine]]:
     """Bound machines in keep order: price asc, reclamation desc, id asc; held ones skipped."""
-    claim = cy.held.get(n.cluster)
-    if claim is None:
-        claim = cy.held[n.cluster] = {}
+    claim = cy.held_in(n.cluster).ids()
     if len(lists) == 1:
         c, lst = lists[0]
         ck = (n.cluster, state, c.idx)
@@ -381,9 +374,7 @@ def credit_cluster_bound(cy: CycleScratch, cluster: str, rows: list[NeedRow],
             if any(n.remaining):
                 _credit_bound_checked(cy, n, bound)
         return
-    held = cy.held.get(cluster)
-    if held is None:
-        held = cy.held[cluster] = {}
+    held = cy.held_in(cluster)
     zero = cy.zero
     conf_total = 0
     for n, plan in zip(rows, plans, strict=True):
@@ -412,7 +403,7 @@ def credit_cluster_bound(cy: CycleScratch, cluster: str, rows: list[NeedRow],
                     continue
                 j = r.cur = i + k
                 got = ms[i:j]
-                held.update(zip(map(MACHINE_ID, got), repeat(n)))
+                held.add_run(n, got)
                 n.claimed.extend(got)
                 taken += k
                 if k < left:  # fewer than the limit: k covers `rem` (allocatable is never negative)

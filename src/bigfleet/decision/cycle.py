@@ -30,7 +30,7 @@ from .order import acquire_all, credit_all, needs_by_cluster
 from .preempt import preempt_all
 from .reclaim import ReclaimWalk, reclaim_all
 from .release import idle_releases
-from .scratch import CycleScratch, NeedRow, RowMaker
+from .scratch import ClusterHeld, CycleScratch, NeedRow, RowMaker
 from .types import Action, Decision, Drain, EngineConfig, EngineState, PhaseStats, Verdict
 from .verdicts import rows_verdicts
 
@@ -67,7 +67,7 @@ class ClusterCache:
     __slots__ = ("aged", "credited", "domains", "drains", "folded", "gangs", "hconf", "held", "key", "needs", "plain",
                  "rows", "short", "unmet_rows", "verdicts", "walk", "watch")
 
-    def __init__(self, key: CacheKey, needs: tuple[Need, ...], rows: list[NeedRow], held: dict[str, NeedRow],
+    def __init__(self, key: CacheKey, needs: tuple[Need, ...], rows: list[NeedRow], held: ClusterHeld,
                  verdicts: list[Verdict], domains: dict[str, str], hconf: int, watch: UnmetWatch | None) -> None:
         self.key = key
         self.watch = watch
@@ -112,7 +112,7 @@ class ClusterCache:
         one it never reached changes nothing. Only the reclaim drains (counts changed) are stale."""
         log = ix.bound_log.get(cluster)
         if (not self.plain or log is None or log.added or log.before != self.key[1]
-                or not self.held.keys().isdisjoint(log.removed)):
+                or not self.held.ids().keys().isdisjoint(log.removed)):
             return
         self.key = (self.key[0], cver, self.key[2])
         self.drains = None
@@ -434,7 +434,7 @@ class Engine:
             verdicts.extend(vs)
             domains.update(doms)
             if c in stable or c in watches:
-                self._cache[c] = ClusterCache(fc.key, fc.needs, fc.rows, cy.held.get(c, {}), vs, doms,
+                self._cache[c] = ClusterCache(fc.key, fc.needs, fc.rows, cy.held_in(c), vs, doms,
                                               cy.hconf.get(c, 0), watches.get(c))
         return verdicts, domains
 

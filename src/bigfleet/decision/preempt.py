@@ -158,7 +158,7 @@ def _preempt_for(cy: CycleScratch, n: NeedRow, classes: list[MClass], done: _Pre
             continue
         vprio = q
         h = held.get(m.cluster)
-        holder = h.get(mid) if h is not None else None
+        holder = h.ids().get(mid) if h is not None else None
         if holder is not None:
             if holder is n or holder.prio >= prio:
                 continue

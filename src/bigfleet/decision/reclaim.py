@@ -37,8 +37,11 @@ def excess_drains(cy: CycleScratch, cluster: str, grace: int, limit: int, exclud
     where the last cycle's stopped when only explored machines left since (see `ReclaimWalk`).
     """
     by_class = cy.ix.bound.get(cluster, {}).get(CONFIGURED, {})
-    held = cy.held.get(cluster) or {}
     total = cy.ix.configured_count.get(cluster, 0) - cy.hconf.get(cluster, 0)
+    if total <= 0:  # (every Configured machine held: the held map is not read, see `ClusterHeld`)
+        return [], 0
+    h = cy.held.get(cluster)
+    held = h.ids() if h is not None else {}
     if exclude:
         total -= sum(1 for lst in by_class.values() for m in lst if m.id in exclude and m.id not in held)
     if total <= 0 or limit <= 0:
