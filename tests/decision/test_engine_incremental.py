@@ -117,3 +117,74 @@ def test_steady_cycles_sync_the_inventory_by_its_tail_not_a_full_diff() -> None:
         d = _check(eng, table, inv, d.state, cfg)
     assert eng._since_full == 80  # (no full diff since the first sync)
     assert full_diffs == 1  # the first cycle builds the index; none since
+
+
+def test_syncs_read_the_inventorys_journal_and_fall_back_when_it_cannot_tell() -> None:
+    """Random writes between cycles: every cycle decides as a fresh `decide()`. The index follows the
+    inventory's write journal when it is whole; a machine written twice falls back to the changed
+    tail, a removal to the full diff."""
+    import random
+
+    rnd = random.Random(11)
+    cfg = EngineConfig(reclaim_cap_fraction=0.2)
+    inv = Inventory([machine(f"a{i:02d}", S.CONFIGURED, cluster="a") for i in range(30)]
+                    + [machine(f"i{i:02d}") for i in range(30)])
+    table = NeedsTable()
+    table.replace("a", [need("a", 20)], NOW)
+    state = EngineState(first_rollup=frozenset({"a"}))
+    eng = Engine()
+    d = _check(eng, table, inv, state, cfg)
+    kinds: list[str] = []
+    for cycle in range(60):
+        for a in d.actions:
+            if isinstance(a, Drain):
+                inv.transition(a.machine_id, S.DRAINING, NOW)
+        draining = [m for m in inv if m.state is S.DRAINING]
+        if draining and rnd.random() < 0.5:
+            inv.transition(rnd.choice(draining).id, S.IDLE, NOW, cluster="")
+        for m in [m for m in inv if m.state is S.CONFIGURING]:
+            inv.transition(m.id, S.CONFIGURED, NOW)
+        idle = [m for m in inv if m.state is S.IDLE]
+        if idle and rnd.random() < 0.4:
+            m = rnd.choice(idle)
+            inv.transition(m.id, S.CONFIGURING, NOW, cluster="a", host_provider="fake", host_ref=m.id)
+            if rnd.random() < 0.3:  # written twice since the last sync
+                inv.update(m.id, assigned_priority=rnd.randint(1, 9))
+        if cycle % 13 == 12 and idle:
+            inv.remove(idle[0].id)
+        if cycle % 17 == 16:
+            inv.add(machine(f"n{cycle:02d}"))
+        d = _check(eng, table, inv, d.state, cfg)
+        kinds.append(eng.last_sync)
+    assert {"journal", "tail", "diff"} <= set(kinds), kinds
+    assert kinds.count("journal") > kinds.count("tail") + kinds.count("diff"), kinds
+
+
+def test_a_write_that_skipped_the_journal_is_caught_by_the_generation() -> None:
+    """The journal must hold one entry per generation step; a subclass writing past it (as a mirror
+    that skips the checks might) makes the engine look the changes up instead of trusting it."""
+
+    class RawWrites(Inventory):
+        __slots__ = ()
+
+        def raw_put(self, m):  # type: ignore[no-untyped-def]
+            old = self._machines.get(m.id)
+            if old is not None:
+                self._unindex(old)
+            self._index(m)
+            self._generation += 1
+
+    cfg = EngineConfig(reclaim_cap_fraction=1.0)
+    inv = RawWrites([machine(f"a{i}", S.CONFIGURED, cluster="a") for i in range(6)])
+    table = NeedsTable()
+    table.replace("a", [need("a", 6)], NOW)
+    state = EngineState(first_rollup=frozenset({"a"}))
+    eng = Engine()
+    d = _check(eng, table, inv, state, cfg)
+    inv.transition("a0", S.DRAINING, NOW)
+    d = _check(eng, table, inv, d.state, cfg)
+    assert eng.last_sync == "journal"
+    table.replace("a", [need("a", 3)], NOW)
+    inv.raw_put(inv["a1"].replace(state=S.DRAINING))
+    d = _check(eng, table, inv, d.state, cfg)
+    assert eng.last_sync == "tail"

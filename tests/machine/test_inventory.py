@@ -284,3 +284,58 @@ def test_shape_groups_count_their_penalty_stamps() -> None:
     inv.remove("m2")
     assert pens() == [0.0]
     assert inv.copy().by_state(S.IDLE).by_shape()[0][1].reclamation_penalties == {0.0: 0}.keys()
+
+
+# --- the write journal (`replaced_since`) -----------------------------------------------------------
+
+
+def test_journal_lists_what_each_write_replaced_in_the_tables_tail_order() -> None:
+    inv = Inventory([valid_machine(f"m{i}", S.IDLE) for i in range(5)])
+    assert inv.replaced_since(inv.generation) is None  # nobody asked before: nothing journaled
+    g0 = inv.generation
+    before = {m.id: m for m in inv}
+    inv.transition("m3", S.CONFIGURING, 5, cluster="c1")
+    inv.add(valid_machine("m9", S.IDLE))
+    inv.upsert(before["m1"].replace(labels={"pool": "gpu"}))
+    inv.upsert(before["m0"])  # a no-op write: not a change, not journaled
+    inv.update("m4", labels={"pool": "x"})
+    olds = inv.replaced_since(g0)
+    assert olds is not None and len(olds) == inv.generation - g0 == 4
+    written = list(inv.machines())[-4:]
+    assert [m.id for m in written] == ["m3", "m9", "m1", "m4"]
+    assert [o if o is None else o.id for o in olds] == ["m3", None, "m1", "m4"]
+    assert all(o is None or o is before[o.id] for o in olds)
+    assert inv.replaced_since(inv.generation) == []  # a fresh journal starts at each call
+
+
+@pytest.mark.parametrize("spoil", ["remove", "twice", "generation", "cap"])
+def test_journal_is_unknown_when_the_tail_would_not_tell(spoil: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import bigfleet.machine.inventory as inventory_mod
+
+    inv = Inventory([valid_machine(f"m{i}", S.IDLE) for i in range(4)])
+    inv.replaced_since(-1)
+    g0 = inv.generation
+    inv.update("m0", labels={"pool": "a"})
+    if spoil == "remove":
+        inv.remove("m2")
+    elif spoil == "twice":
+        inv.update("m0", labels={"pool": "b"})
+    elif spoil == "cap":
+        monkeypatch.setattr(inventory_mod, "_JOURNAL_CAP", 2)
+        inv.update("m1", labels={"pool": "a"})
+        inv.update("m3", labels={"pool": "a"})
+    got = inv.replaced_since(g0 - 1 if spoil == "generation" else g0)
+    assert got is None
+    g1 = inv.generation
+    inv.update("m1", labels={"pool": "z"})  # the next journal is whole again
+    got = inv.replaced_since(g1)
+    assert got is not None and [o.id for o in got if o is not None] == ["m1"]
+
+
+def test_a_failed_write_is_not_journaled() -> None:
+    inv = Inventory([valid_machine("m0", S.IDLE)])
+    g0 = inv.generation
+    inv.replaced_since(g0)
+    with pytest.raises(IllegalTransition):
+        inv.transition("m0", S.DRAINING, 5)
+    assert inv.generation == g0 and inv.replaced_since(g0) == []

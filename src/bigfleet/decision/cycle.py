@@ -175,6 +175,9 @@ class Engine:
         #: ages moved in step with the cycle, so every reused verdict's `unmet_since` still holds)
         self._emitted_cycle = -1
         self.last_index_changes = 0
+        #: how the last sync caught the index up: "" (nothing changed), "rebuild", "journal" (the
+        #: inventory's write journal), "tail" (its changed tail, looked up by id) or "diff" (in full)
+        self.last_sync = ""
         #: how many reused clusters had unmet needs last cycle (tests check the path is exercised)
         self.last_unmet_reused = 0
 
@@ -186,19 +189,48 @@ class Engine:
         gen = getattr(inventory, "generation", None)
         if self._ix is not None and inventory is self._src and gen is not None and gen == self._gen:
             self.last_index_changes = 0
+            self.last_sync = ""
             return self._ix
+        # (asked at every sync that reads the inventory, so the journal starts where this sync ends)
+        olds = inventory.replaced_since(
+            self._gen if inventory is self._src and self._gen is not None else -1) if isinstance(
+            inventory, Inventory) else None
         machines_of = getattr(inventory, "machines", None)  # an Inventory, or a view shaped like one
         ms: Sequence[Machine] = machines_of() if callable(machines_of) else list(inventory)
         if self._ix is None:
             return self._rebuild(inventory, ms, gen)
         self._since_full += 1
-        if (isinstance(inventory, Inventory) and inventory is self._src
-                and self._since_full < self.full_diff_every
-                and self._tail_sync(ms, gen - self._gen if gen is not None and self._gen is not None else 0)):
-            self._gen = gen
-            return self._ix
+        if isinstance(inventory, Inventory) and inventory is self._src and self._since_full < self.full_diff_every:
+            writes = gen - self._gen if gen is not None and self._gen is not None else 0
+            # (a journal entry per generation step: a writer that skipped the journal shows here)
+            kind = ("journal" if olds is not None and len(olds) == writes and self._journal_sync(ms, olds)
+                    else "tail" if self._tail_sync(ms, writes)
+                    else "")
+            if kind:
+                self.last_sync = kind
+                self._gen = gen
+                return self._ix
         self._since_full = 0
+        self.last_sync = "diff"  # (or "rebuild", when the diff finds most of the fleet changed)
         return self._full_diff(inventory, ms, gen)
+
+    def _journal_sync(self, ms: Sequence[Machine], olds: list[Machine | None]) -> bool:
+        """O(changes) sync from `Inventory.replaced_since`: the written records are the last
+        ``len(olds)`` of `ms`, in the journal's order, so no id is looked up (the tail sync's lookups
+        in the baseline table were ~15 % of a 25 000-drain wave). False when the counts do not add up."""
+        k = len(olds)
+        by_mid = self._by_mid
+        replaced = [old for old in olds if old is not None]
+        if k > len(ms) or len(ms) != len(by_mid) - len(replaced) + k:
+            return False
+        added = list(islice(reversed(ms), k))
+        added.reverse()
+        ix = self._ix
+        assert ix is not None
+        apply_changes(ix, replaced, added)
+        by_mid.update(zip(map(_MACHINE_ID, added), added, strict=True))
+        self.last_index_changes = k + len(replaced)
+        return True
 
     def _full_diff(self, inventory: Fleet, ms: Sequence[Machine], gen: int | None) -> Index:
         """Apply what changed by record identity; a large change is a rebuild."""
@@ -243,6 +275,7 @@ class Engine:
         return True
 
     def _rebuild(self, inventory: Fleet, ms: Sequence[Machine], gen: int | None) -> Index:
+        self.last_sync = "rebuild"
         if isinstance(inventory, Inventory):
             by_shape = [(st, shape, group) for st in MachineState for shape, group in inventory.by_state(st).by_shape()]
             ix = build_index(ms, by_shape)

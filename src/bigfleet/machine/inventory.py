@@ -18,6 +18,10 @@ from bigfleet.machine.validate import check_invariant
 #: every NaN penalty stamp is reported as this one object (a set finds a NaN by identity only)
 _NAN = float("nan")
 
+#: the most writes `Inventory.replaced_since` journals between two calls (it keeps the replaced
+#: records alive until then; a consumer that stops asking must not pin memory)
+_JOURNAL_CAP = 1 << 16
+
 
 class UnknownMachine(KeyError):
     """No machine with that id is in the inventory."""
@@ -118,13 +122,18 @@ class Inventory:
     by `by_state` are live; copy them before mutating the inventory while iterating.
     """
 
-    __slots__ = ("_by_cluster", "_by_state", "_generation", "_machines")
+    __slots__ = ("_by_cluster", "_by_state", "_generation", "_journal", "_journal_gen", "_journal_ids", "_machines")
 
     def __init__(self, machines: Iterable[Machine] = ()) -> None:
         self._machines: dict[str, Machine] = {}
         self._by_state: dict[MachineState, dict[MachineShape, _Bucket]] = {s: {} for s in MachineState}
         self._by_cluster: dict[str, dict[str, Machine]] = {}
         self._generation = 0
+        #: the record each write since `_journal_gen` replaced (None: it added one), in write order;
+        #: None when not kept (nobody asked, or a removal, a second write of one id or the cap ended it)
+        self._journal: list[Machine | None] | None = None
+        self._journal_gen = -1
+        self._journal_ids: set[str] = set()
         for m in machines:
             self.add(m)
 
@@ -135,8 +144,7 @@ class Inventory:
         if m.id in self._machines:
             raise DuplicateMachine(f"machine {m.id!r} already in inventory")
         check_invariant(m)
-        self._index(m)
-        self._generation += 1
+        self._store(m, None)
         return m
 
     def upsert(self, m: Machine, now_unix_nanos: int | None = None, *, check_state: bool = False) -> Machine:
@@ -160,11 +168,9 @@ class Inventory:
                     m = m.replace(state_since_unix_nanos=now_unix_nanos)
             if old == m:
                 return old
-            self._unindex(old)
         elif now_unix_nanos is not None and not m.state_since_unix_nanos:
             m = m.replace(state_since_unix_nanos=now_unix_nanos)
-        self._index(m)
-        self._generation += 1
+        self._store(m, old)
         return m
 
     def apply(self, m: Machine, now_unix_nanos: int | None = None) -> Machine:
@@ -183,9 +189,7 @@ class Inventory:
         check_transition(old.state, new_state, machine_id)
         new = old.replace(state=new_state, state_since_unix_nanos=now_unix_nanos, **changes)
         check_invariant(new)
-        self._unindex(old)
-        self._index(new)
-        self._generation += 1
+        self._store(new, old)
         return new
 
     def update(self, machine_id: str, **changes: Any) -> Machine:
@@ -197,9 +201,7 @@ class Inventory:
             raise ValueError("use transition() to change state")
         new = old.replace(**changes)
         check_invariant(new)
-        self._unindex(old)
-        self._index(new)
-        self._generation += 1
+        self._store(new, old)
         return new
 
     def remove(self, machine_id: str) -> Machine | None:
@@ -207,9 +209,44 @@ class Inventory:
         old = self._machines.get(machine_id)
         if old is None:
             return None
+        self._forget(old)
+        return old
+
+    # (the only two places records enter or leave the tables: a subclass writing unchecked calls these)
+
+    def _store(self, m: Machine, old: Machine | None) -> None:
+        """Write `m` over `old` (None: a new id), already checked: journal, tables, generation."""
+        j = self._journal
+        if j is not None:
+            if m.id in self._journal_ids or len(j) >= _JOURNAL_CAP:
+                self._journal = None
+                self._journal_ids = set()
+            else:
+                self._journal_ids.add(m.id)
+                j.append(old)
+        if old is not None:
+            self._unindex(old)
+        self._index(m)
+        self._generation += 1
+
+    def _forget(self, old: Machine) -> None:
+        self._journal = None  # (the write-order tail no longer holds every change)
         self._unindex(old)
         self._generation += 1
-        return old
+
+    def replaced_since(self, generation: int) -> list[Machine | None] | None:
+        """What each write since `generation` replaced (None: the write added the record), in write
+        order: the records written since are then exactly the last that many of `machines()`, in the
+        same order. None when unknown: `generation` is not where the journal starts, or since then a
+        machine was removed or written twice, or the journal reached its cap. Starts a new journal at
+        the current generation, so an incremental consumer (the engine's index) calls this once per
+        sync and finds what changed without looking a single id up."""
+        j = self._journal
+        out = j if j is not None and self._journal_gen == generation else None
+        self._journal = []
+        self._journal_ids = set()
+        self._journal_gen = self._generation
+        return out
 
     def _index(self, m: Machine) -> None:
         mid = m.id

@@ -133,17 +133,12 @@ class _Mirror(Inventory):
     __slots__ = ()
 
     def put(self, m: Machine) -> None:
-        old = self._machines.get(m.id)
-        if old is not None:
-            self._unindex(old)
-        self._index(m)
-        self._generation += 1
+        self._store(m, self.get(m.id))
 
     def drop(self, machine_id: str) -> None:
-        old = self._machines.get(machine_id)
+        old = self.get(machine_id)
         if old is not None:
-            self._unindex(old)
-            self._generation += 1
+            self._forget(old)
 
 
 class _NeedsMirror(NeedsTable):
