@@ -156,6 +156,15 @@ def test_syncs_read_the_inventorys_journal_and_fall_back_when_it_cannot_tell() -
             inv.add(machine(f"n{cycle:02d}"))
         d = _check(eng, table, inv, d.state, cfg)
         kinds.append(eng.last_sync)
+        fresh = Engine()
+        fresh.decide(table, Inventory(list(inv)), NOW, d.state, cfg)
+        busy = {m.id for m in inv if rnd.random() < 0.2}
+        hints = eng.free_supply(busy)
+        assert hints == fresh.free_supply(busy)
+        idle_now = [m for m in inv if m.state is S.IDLE]
+        if idle_now:  # the inventory moves on: the hints stay those of the last decide
+            inv.update(idle_now[-1].id, labels={"moved": str(cycle)})
+            assert eng.free_supply(busy) == hints
     assert {"journal", "tail", "diff"} <= set(kinds), kinds
     assert kinds.count("journal") > kinds.count("tail") + kinds.count("diff"), kinds
 

@@ -23,6 +23,7 @@ from bigfleet.machine.state import MachineState
 from bigfleet.needs import Need, NeedsTable
 
 from .acquire import acquisition_actions
+from .baseline import Baseline
 from .index import IDLE, SPEC, Index, apply_changes, build_index, free_supply
 from .ledgers import CarriedShort, Ledgers, ShortPart, ledgers
 from .normalise import FoldMemo, cluster_rows
@@ -155,7 +156,7 @@ class Engine:
         self._ix: Index | None = None
         self._src: Fleet | None = None
         self._gen: int | None = None
-        self._by_mid: dict[str, Machine] = {}
+        self._base = Baseline({})
         self._since_full = 0
         #: every this many syncs the inventory is diffed in full instead of by its changed tail. Only a
         #: safety net (the tail sync is exact for `Inventory`, and a removal forces a full diff anyway),
@@ -203,7 +204,7 @@ class Engine:
         if isinstance(inventory, Inventory) and inventory is self._src and self._since_full < self.full_diff_every:
             writes = gen - self._gen if gen is not None and self._gen is not None else 0
             # (a journal entry per generation step: a writer that skipped the journal shows here)
-            kind = ("journal" if olds is not None and len(olds) == writes and self._journal_sync(ms, olds)
+            kind = ("journal" if olds is not None and len(olds) == writes and self._journal_sync(inventory, ms, olds)
                     else "tail" if self._tail_sync(ms, writes)
                     else "")
             if kind:
@@ -214,27 +215,28 @@ class Engine:
         self.last_sync = "diff"  # (or "rebuild", when the diff finds most of the fleet changed)
         return self._full_diff(inventory, ms, gen)
 
-    def _journal_sync(self, ms: Sequence[Machine], olds: list[Machine | None]) -> bool:
+    def _journal_sync(self, inventory: Inventory, ms: Sequence[Machine], olds: list[Machine | None]) -> bool:
         """O(changes) sync from `Inventory.replaced_since`: the written records are the last
         ``len(olds)`` of `ms`, in the journal's order, so no id is looked up (the tail sync's lookups
-        in the baseline table were ~15 % of a 25 000-drain wave). False when the counts do not add up."""
+        in the baseline table were ~15 % of a 25 000-drain wave), and the baseline files them only
+        when read (`Baseline`). False when the counts do not add up."""
         k = len(olds)
-        by_mid = self._by_mid
         replaced = [old for old in olds if old is not None]
-        if k > len(ms) or len(ms) != len(by_mid) - len(replaced) + k:
+        adds = k - len(replaced)
+        if k > len(ms) or len(ms) != len(self._base) + adds:
             return False
         added = list(islice(reversed(ms), k))
         added.reverse()
         ix = self._ix
         assert ix is not None
         apply_changes(ix, replaced, added)
-        by_mid.update(zip(map(_MACHINE_ID, added), added, strict=True))
+        self._base.written(added, adds, inventory.id_table)
         self.last_index_changes = k + len(replaced)
         return True
 
     def _full_diff(self, inventory: Fleet, ms: Sequence[Machine], gen: int | None) -> Index:
         """Apply what changed by record identity; a large change is a rebuild."""
-        by_mid = self._by_mid
+        by_mid = self._base.table()
         now_ids = set(map(id, ms))
         prev = list(by_mid.values())
         gone = [m for m in prev if id(m) not in now_ids]
@@ -260,7 +262,7 @@ class Engine:
         baseline. Returns False (caller does a full diff) when the counts do not add up, e.g. after a
         removal; a periodic full diff (`full_diff_every`) guards against anything else. `writes`: how
         far the inventory's generation moved, at least the tail's length (only sizes the search)."""
-        by_mid = self._by_mid
+        by_mid = self._base.table()
         added, ids, olds = _new_tail(ms, by_mid, writes)
         replaced = [old for old in olds if old is not None]
         if len(ms) != len(by_mid) - len(replaced) + len(added) or len(set(ids)) != len(ids):
@@ -283,14 +285,13 @@ class Engine:
         else:
             ix = build_index(ms)
             by_mid = dict(zip(map(_MACHINE_ID, ms), ms, strict=True))
-        # Holding every baseline record also keeps its id() from being reused by a new record.
-        self._by_mid = by_mid
+        self._base = Baseline(by_mid)
         self._since_full = 0
         self._ix = ix
         self._src, self._gen = inventory, gen
         self._cache.clear()
         self._lowest_prio.clear()
-        self.last_index_changes = len(self._by_mid)
+        self.last_index_changes = len(by_mid)
         return ix
 
     def free_supply(self, busy: Iterable[str] = ()) -> dict[MachineShape, tuple[int, int]]:
@@ -298,7 +299,10 @@ class Engine:
         `busy`): O(classes + busy), for availability hints without a walk over the fleet."""
         if self._ix is None:
             return {}
-        return free_supply(self._ix, busy, self._by_mid)
+        src = self._src
+        if isinstance(src, Inventory) and src.generation == self._gen:  # (its table is the baseline)
+            return free_supply(self._ix, busy, src.id_map())
+        return free_supply(self._ix, busy, self._base.table())
 
     # --- the cycle -------------------------------------------------------------------------------
 

@@ -6,8 +6,9 @@ transitions) the state machine, so a bad write cannot leave a machine in two pla
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator, ValuesView
+from collections.abc import Collection, Iterable, Iterator, Mapping, ValuesView
 from itertools import chain
+from types import MappingProxyType
 from typing import Any
 
 from bigfleet.machine.labels import Labels
@@ -328,6 +329,10 @@ class Inventory:
         """A copy of the id → record table: one C-level table copy, far cheaper than building the
         same dict from the records (which touches every record: ~20x slower at 500 000)."""
         return self._machines.copy()
+
+    def id_map(self) -> Mapping[str, Machine]:
+        """A read-only live view of the id → record table (no copy)."""
+        return MappingProxyType(self._machines)
 
     def ids(self) -> list[str]:
         """Every id, sorted."""
