@@ -190,10 +190,26 @@ def test_a_write_that_skipped_the_journal_is_caught_by_the_generation() -> None:
     state = EngineState(first_rollup=frozenset({"a"}))
     eng = Engine()
     d = _check(eng, table, inv, state, cfg)
+    assert eng.last_sync == "rebuild"
     inv.transition("a0", S.DRAINING, NOW)
+    d = _check(eng, table, inv, d.state, cfg)
+    assert eng.last_sync == "tail"  # (the journal starts at the first sync after the rebuild)
+    inv.transition("a0", S.IDLE, NOW, cluster="")
     d = _check(eng, table, inv, d.state, cfg)
     assert eng.last_sync == "journal"
     table.replace("a", [need("a", 3)], NOW)
     inv.raw_put(inv["a1"].replace(state=S.DRAINING))
     d = _check(eng, table, inv, d.state, cfg)
     assert eng.last_sync == "tail"
+
+
+def test_a_one_shot_engine_starts_no_journal() -> None:
+    """`decide()`, a what-if or a consolidation plan syncs once: the inventory must not journal (and
+    keep replaced records alive) for a consumer that never comes back."""
+    inv = Inventory([machine(f"a{i}", S.CONFIGURED, cluster="a") for i in range(3)])
+    table = NeedsTable()
+    table.replace("a", [need("a", 3)], NOW)
+    g0 = inv.generation
+    decide(table, inv, NOW, EngineState(first_rollup=frozenset({"a"})), EngineConfig())
+    inv.transition("a0", S.DRAINING, NOW)
+    assert inv.replaced_since(g0) is None

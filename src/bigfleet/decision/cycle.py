@@ -192,19 +192,19 @@ class Engine:
             self.last_index_changes = 0
             self.last_sync = ""
             return self._ix
-        # (asked at every sync that reads the inventory, so the journal starts where this sync ends)
-        olds = inventory.replaced_since(
-            self._gen if inventory is self._src and self._gen is not None else -1) if isinstance(
-            inventory, Inventory) else None
         machines_of = getattr(inventory, "machines", None)  # an Inventory, or a view shaped like one
         ms: Sequence[Machine] = machines_of() if callable(machines_of) else list(inventory)
         if self._ix is None:
             return self._rebuild(inventory, ms, gen)
         self._since_full += 1
-        if isinstance(inventory, Inventory) and inventory is self._src and self._since_full < self.full_diff_every:
-            writes = gen - self._gen if gen is not None and self._gen is not None else 0
+        if isinstance(inventory, Inventory) and inventory is self._src and self._gen is not None:
+            # Asked at every sync after the first, so the journal starts where this one ends; a
+            # one-shot engine (`decide()`, what-if, a consolidation plan) never starts one.
+            olds = inventory.replaced_since(self._gen)
+            writes = inventory.generation - self._gen
             # (a journal entry per generation step: a writer that skipped the journal shows here)
-            kind = ("journal" if olds is not None and len(olds) == writes and self._journal_sync(inventory, ms, olds)
+            kind = ("" if self._since_full >= self.full_diff_every
+                    else "journal" if olds is not None and len(olds) == writes and self._journal_sync(inventory, ms, olds)
                     else "tail" if self._tail_sync(ms, writes)
                     else "")
             if kind:
