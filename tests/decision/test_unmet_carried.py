@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -16,7 +17,7 @@ from bigfleet.decision.cycle import ClusterCache
 from bigfleet.decision.ledgers import CarriedShort, ShortPart, _key_sorted
 from bigfleet.decision.scratch import NeedRow, RowMaker
 from bigfleet.machine import Inventory
-from bigfleet.needs import Need, NeedsTable, Operator, PenaltyBucket, Profile, Requirement
+from bigfleet.needs import Need, NeedsTable, Operator, PenaltyBucket, Profile, Requirement, Resources
 
 from .fx import NOW, TYPE_KEY, ZONE_KEY, S, machine
 from .test_engine_steady import CLUSTERS, _apply_some, _demand, _res, _same, _scarce_machine, _small_change
@@ -48,7 +49,7 @@ def _check_carried(eng: Engine) -> None:
     assert carried.groups.keys() == cold.groups.keys()
     for fp, g in carried.groups.items():
         c = cold.groups[fp]
-        assert (g.count, g.deficit, g.clusters, g.heads) == (c.count, c.deficit, c.clusters, c.heads)
+        assert (g.count, g.deficit, g.clusters, g.heads, g.units) == (c.count, c.deficit, c.clusters, c.heads, c.units)
         assert g.first() is c.first()
 
 
@@ -83,9 +84,9 @@ def test_the_sequences_above_exercise_both_age_paths() -> None:
     assert EXERCISED["emitted"] >= 20 and EXERCISED["looked_up"] >= 10, EXERCISED
 
 
-def _row(cluster: str, job: int, units: int, prio: int) -> NeedRow:
+def _row(cluster: str, job: int, units: int, prio: int, unit: int = 1) -> NeedRow:
     prof = Profile.build([], (), prio, PenaltyBucket.B64, PenaltyBucket.ZERO, f"job-{job}")
-    need = Need(cluster, prof, _res(units), _res(1), 1 + job)
+    need = Need(cluster, prof, _res(units * unit), _res(unit), 1 + job)
     maker = RowMaker(("nvidia.com/gpu",))
     n = maker.row(need, [need], maker.info(prof))
     n.unmet_age = 1
@@ -105,7 +106,7 @@ def test_carried_short_follows_random_joins_and_leaves() -> None:
             if c in live and rnd.random() < 0.5:
                 del live[c], rows_of[c]
             else:
-                rows_of[c] = [_row(c, rnd.randint(0, 4), rnd.randint(1, 3), rnd.choice((10, 20)))
+                rows_of[c] = [_row(c, rnd.randint(0, 4), rnd.randint(1, 3), rnd.choice((10, 20)), rnd.choice((1, 1, 2)))
                               for _ in range(rnd.randint(1, 4))]
                 live[c] = ShortPart(c, rows_of[c])
         carried.sync(live, ("nvidia.com/gpu",))
@@ -121,6 +122,7 @@ def test_carried_short_follows_random_joins_and_leaves() -> None:
             assert g.first() is min(rows, key=lambda n: n.order)
             assert g.deficit == (sum(n.remaining[0] for n in rows),)
             assert g.clusters == sorted({n.cluster for n in rows})
+            assert g.units == Counter(h.need.min_unit for h in g.heads.values()) == cg.units
     kept = dict(list(live.items())[:3])
     carried.sync(kept, ("cpu",))  # other dimensions: the kept parts are filed again, the rest dropped
     assert carried.dims == ("cpu",) and carried.members == kept
@@ -187,3 +189,35 @@ def test_folded_gangs_of_a_reused_short_cluster_age_every_member_verdict() -> No
             assert aged is not None and aged.key_pos == [0, 0]
         assert sorted(v.age_at(got.state.cycle) for v in got.verdicts) == [0, i + 1, i + 1]
         state = got.state if i != 2 else EngineState.from_dict(json.loads(json.dumps(got.state.to_dict())))
+
+
+def test_a_steady_unmet_cycle_does_not_rehash_every_carried_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression gate (a count, not a clock): a reported shortfall's min unit comes from its group's
+    counted units. Re-deduplicating every carried head's min unit per shortfall hashed ~hundreds of
+    `Resources` per shortfall and cost ~70 ms of a 50 000-need steady cycle."""
+    clusters = [f"c{i:02d}" for i in range(20)]
+    table = NeedsTable()
+    for c in clusters:  # 30 single-machine jobs per cluster, nothing to give them
+        table.replace(c, [Need(c, Profile.build([], (), 100, PenaltyBucket.B64, PenaltyBucket.ZERO, f"job-{j}"),
+                               _res(1), _res(1), 1 + j) for j in range(30)], 1)
+    state = EngineState(first_rollup=frozenset(clusters))
+    eng = Engine()
+    cfg = EngineConfig()
+    for _ in range(2):
+        state = eng.decide(table, Inventory([]), NOW, state, cfg).state
+    calls = [0]
+    real_hash, real_eq = Resources.__hash__, Resources.__eq__
+
+    def counted_hash(self: Resources) -> int:
+        calls[0] += 1
+        return real_hash(self)
+
+    def counted_eq(self: Resources, other: object) -> bool:
+        calls[0] += 1
+        return real_eq(self, other)
+
+    monkeypatch.setattr(Resources, "__hash__", counted_hash)
+    monkeypatch.setattr(Resources, "__eq__", counted_eq)
+    d = eng.decide(table, Inventory([]), NOW, state, cfg)
+    assert eng.last_unmet_reused == len(clusters) and len(d.shortfalls) == 30
+    assert calls[0] <= len(d.shortfalls), calls[0]

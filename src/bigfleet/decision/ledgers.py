@@ -77,12 +77,16 @@ class ShortPart:
 class _Group:
     """One fingerprint's rows over the carried clusters."""
 
-    __slots__ = ("clusters", "count", "deficit", "head", "heads")
+    __slots__ = ("clusters", "count", "deficit", "head", "heads", "units")
 
     def __init__(self, deficit: Vec) -> None:
         self.count = 0
         self.deficit = deficit
         self.heads: dict[str, NeedRow] = {}
+        #: the heads' min units, counted: a reported shortfall's min unit is their max, and a few
+        #: distinct values stand for hundreds of heads (re-hashing every head's each cycle cost
+        #: ~70 ms of a persistent-unmet steady cycle)
+        self.units: dict[Resources, int] = {}
         #: the first row in precedence order; None when it left and is not yet recomputed
         self.head: NeedRow | None = None
         self.clusters: list[str] = []
@@ -135,6 +139,8 @@ class CarriedShort:
                     g.head = head
             g.count += k
             g.heads[c] = head
+            u = head.need.min_unit
+            g.units[u] = g.units.get(u, 0) + 1
             insort(g.clusters, c)
         self.members[c] = part
         self.count += part.count
@@ -150,6 +156,12 @@ class CarriedShort:
                 continue
             g.deficit = tuple(map(sub, g.deficit, vec))
             del g.heads[c]
+            u = head.need.min_unit
+            left = g.units[u] - 1
+            if left:
+                g.units[u] = left
+            else:
+                del g.units[u]
             if g.head is head:
                 g.head = None
             del g.clusters[bisect_left(g.clusters, c)]
@@ -270,10 +282,10 @@ def _shortfall(cy: CycleScratch, fp: str, rows: list[NeedRow], group: _Group | N
         reason=unmet_reason(cy, head, True),
         clusters=tuple(clusters),
         escalated=age > config.escalation_after_cycles,
-        min_unit=_min_unit(chain(rows, group.heads.values() if group is not None else ())),
+        min_unit=_min_unit(rows, group.units if group is not None else {}),
     )
 
 
-def _min_unit(rows: Iterable[NeedRow]) -> Resources:
-    """The per-dimension max of the rows' min units (one row per cluster of the fingerprint)."""
-    return reduce(Resources.max, {n.need.min_unit for n in rows}, EMPTY_RESOURCES)
+def _min_unit(rows: Iterable[NeedRow], carried: Iterable[Resources]) -> Resources:
+    """The per-dimension max of the rows' and the carried heads' min units."""
+    return reduce(Resources.max, chain({n.need.min_unit for n in rows}, carried), EMPTY_RESOURCES)
