@@ -11,7 +11,7 @@ import pytest
 
 from bigfleet.decision import Configure, Create, Drain, Engine, EngineConfig, EngineState, decide
 from bigfleet.decision.index import CONFIGURED, Index, build_index, m_reclamation
-from bigfleet.decision.reclaim import excess_drains
+from bigfleet.decision.reclaim import excess_drains, held_prefixes
 from bigfleet.decision.scratch import CycleScratch
 from bigfleet.machine import Inventory, Machine
 from bigfleet.needs import NeedsTable, Operator, Profile, Requirement
@@ -152,6 +152,54 @@ def test_reclaim_order_equals_the_plain_sort(seed: int) -> None:
     assert got == [Drain(m.id, "a", 30, 0, "reclaim") for m in left[:limit]]
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_reclaim_order_with_held_prefixes_equals_the_plain_sort(seed: int) -> None:
+    """Held machines leading each class list (as crediting holds them): the walk skips them unread
+    when proven; one unheld machine among them (`broken`) must fail the proof, not be skipped."""
+    rnd = random.Random(7000 + seed)
+    ms = [machine(f"m{i:03d}", S.CONFIGURED, cluster="a", itype=rnd.choice(TYPES)[0], price=rnd.choice((1.0, 2.0)),
+                  zone=rnd.choice(("z1", "z2")), res=cpu(4), rpd=rnd.choice(STAMPS))
+          for i in range(rnd.randint(2, 80))]
+    ix = build_index(ms)
+    by_class = ix.bound["a"][CONFIGURED]
+    held: dict[str, object] = {}
+    for lst in by_class.values():
+        held.update((m.id, None) for m in lst[:rnd.randint(0, len(lst))])
+    broken = seed % 3 == 0 and 0 < len(held) < len(ms)
+    if broken:  # swap one held machine for an unheld one: same count, no longer prefixes
+        held.pop(rnd.choice(sorted(held)))
+        held[rnd.choice(sorted(m.id for m in ms if m.id not in held))] = None
+    unheld = len(ms) - len(held)
+    starts = held_prefixes(by_class, held, unheld)
+    prefixes = all(not any(m.id in held for m in lst[i + 1:]) for lst in by_class.values()
+                   for i, m in enumerate(lst) if m.id not in held)
+    assert (starts is not None) == prefixes
+    if starts is not None:
+        assert sum(starts.values()) == len(held)
+    cy = CycleScratch(ix, ("cpu",), {})
+    cy.held_in("a").ids().update(held)  # type: ignore[arg-type]
+    cy.hconf["a"] = len(held)
+    limit = rnd.randint(1, 90)
+    got, total = excess_drains(cy, "a", 30, limit, set())
+    left = [m for m in ms if m.id not in held]
+    left.sort(key=lambda m: (-m_reclamation(m), m.shape.price_per_hour, m.id), reverse=True)
+    assert [d.machine_id for d in got] == [m.id for m in left[:limit]]
+    assert total == len(left)
+
+
+def test_held_prefixes_are_proven_not_guessed() -> None:
+    """Two non-prefix classes whose binary-searched boundaries err in opposite directions by one
+    each: the counts agree, only the check of every machine past a boundary catches it."""
+    a = [machine(f"a{i}", S.CONFIGURED, cluster="c", res=cpu(4), rpd=float(9 - i)) for i in range(2)]
+    b = [machine(f"b{i}", S.CONFIGURED, cluster="c", res=cpu(8), rpd=float(9 - i)) for i in range(4)]
+    held = {"a1": None, "b0": None, "b2": None}  # a: [U, H]; b: [H, U, H, U]
+    by_class = {0: a, 1: b}
+    assert held_prefixes(by_class, held, 3) is None
+    assert held_prefixes(by_class, {"a0": None, "b0": None, "b1": None}, 3) == {0: 1, 1: 2}
+    assert held_prefixes(by_class, {}, 6) == {}
+    assert held_prefixes(by_class, {"b0": None}, 4) is None  # (the cluster's unheld count disagrees)
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_reclaim_walk_resumes_only_while_valid(seed: int) -> None:
     """Stable clusters draining a few machines a cycle, the reclaim walk resumed from the last cycle;
@@ -201,20 +249,20 @@ def test_reclaim_walk_starts_over_when_an_unexplored_machine_left() -> None:
     ix = build_index(ms)
     by_class = ix.bound["a"][CONFIGURED]
     cy = CycleScratch(ix, ("cpu",), {})
-    walk = ReclaimWalk(cy, by_class, ix.cluster_ver.get("a", 0))
-    first = walk.first(cy, by_class, {}, set(), 2)
+    walk = ReclaimWalk(cy, by_class, {}, 12, ix.cluster_ver.get("a", 0))
+    first = walk.first(by_class, set(), 2)
     assert first == ["m09", "m06"] and walk.ids == ["m09", "m06", "m03", "m00"]  # (the whole rpd-0 bucket)
     by_id = {m.id: m for m in ms}
     # the two drained machines start draining: the walk resumes without them
     apply_changes(ix, [by_id["m09"], by_id["m06"]], [by_id["m09"].replace(state=S.DRAINING),
                                                     by_id["m06"].replace(state=S.DRAINING)])
     cy = CycleScratch(ix, ("cpu",), {})
-    again = _resumed(cy, "a", walk, by_class)
+    again = _resumed(cy, "a", walk, by_class, {}, 10)
     assert again is walk and walk.ids == ["m03", "m00"]
-    assert walk.first(cy, by_class, {}, set(), 3) == ["m03", "m00", "m10"]
+    assert walk.first(by_class, set(), 3) == ["m03", "m00", "m10"]
     # a machine the walk never reached leaves: positions moved, so it starts over
     apply_changes(ix, [by_id["m02"]], [by_id["m02"].replace(state=S.DRAINING)])
     cy = CycleScratch(ix, ("cpu",), {})
-    fresh = _resumed(cy, "a", walk, by_class)
+    fresh = _resumed(cy, "a", walk, by_class, {}, 9)
     assert fresh is not walk
-    assert fresh.first(cy, by_class, {}, set(), 4) == ["m03", "m00", "m10", "m07"]
+    assert fresh.first(by_class, set(), 4) == ["m03", "m00", "m10", "m07"]

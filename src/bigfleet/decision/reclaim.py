@@ -42,16 +42,17 @@ def excess_drains(cy: CycleScratch, cluster: str, grace: int, limit: int, exclud
         return [], 0
     h = cy.held.get(cluster)
     held = h.ids() if h is not None else {}
+    unheld = total
     if exclude:
         total -= sum(1 for lst in by_class.values() for m in lst if m.id in exclude and m.id not in held)
     if total <= 0 or limit <= 0:
         return [], max(0, total)
     if memo is None or exclude:
-        walk = ReclaimWalk(cy, by_class, -1)
+        walk = ReclaimWalk(cy, by_class, held, unheld, -1)
     else:
-        walk = _resumed(cy, cluster, memo.walk, by_class)
+        walk = _resumed(cy, cluster, memo.walk, by_class, held, unheld)
         memo.walk = walk
-    ids = walk.first(cy, by_class, held, exclude, limit)
+    ids = walk.first(by_class, exclude, limit)
     proto = {"machine_id": "", "cluster_id": cluster, "grace_period_seconds": grace, "preemptor_priority": 0,
              "reason": "reclaim", "kind": "drain"}
     new, set_attr = object.__new__, object.__setattr__
@@ -73,36 +74,50 @@ class ReclaimWalk:
     lists only lost machines this walk had explored: those sit at or past each segment entry's position,
     so the positions still hold, and dropping them from `ids` leaves a prefix of the new order. A
     reclaim wave (each cycle's drains start) then costs the drains, not a re-read of every held
-    machine in the buckets it passes again (which grew with every wave)."""
+    machine in the buckets it passes again (which grew with every wave).
 
-    __slots__ = ("buckets", "ids", "seen", "ver")
+    Crediting takes a class's machines in keep order, so a class's held machines are usually a
+    prefix of its list. When `held_prefixes` proves that for every class, the walk starts each class
+    at its first unheld machine and never reads a held one (nor visits a bucket of held ones only)."""
 
-    def __init__(self, cy: CycleScratch, by_class: dict[int, list[Machine]], ver: int) -> None:
+    __slots__ = ("buckets", "held", "ids", "seen", "starts", "ver")
+
+    def __init__(self, cy: CycleScratch, by_class: dict[int, list[Machine]], held: Mapping[str, object],
+                 unheld: int, ver: int) -> None:
         classes = cy.ix.classes
+        starts = held_prefixes(by_class, held, unheld)
+        #: class → its first unheld position (absent: 0); None when the prefixes are not proven, so
+        #: the walk reads every machine and filters the held ones out
+        self.starts = starts
+        #: the held ids the walk must filter out ({} when `starts` proves none is in its way)
+        self.held: Mapping[str, object] = held if starts is None else {}
         #: (reclamation, -price) → (class, end) of each class's next unexplored segment with that
         #: key: a bucket is a dict entry, so each segment costs one append instead of a heap push
         #: and pop over every class of the cluster (tuple compares of equal keys, ~2 000
         #: instructions a segment); the next bucket is the least key (a few dozen at most)
         self.buckets: dict[tuple[float, float], list[tuple[int, int]]] = {}
+        low = starts or {}
         for ci, lst in by_class.items():
-            _add_segment(self.buckets, (m_reclamation(lst[-1]), -classes[ci].shape.price_per_hour), ci, len(lst))
+            if low.get(ci, 0) < len(lst):
+                _add_segment(self.buckets, (m_reclamation(lst[-1]), -classes[ci].shape.price_per_hour), ci, len(lst))
         self.ids: list[str] = []
         self.seen: set[str] = set()
         self.ver = ver
 
-    def first(self, cy: CycleScratch, by_class: dict[int, list[Machine]], held: Mapping[str, object],
-              exclude: set[str], limit: int) -> list[str]:
+    def first(self, by_class: dict[int, list[Machine]], exclude: set[str], limit: int) -> list[str]:
         """Ids of the first `limit` unheld, unexcluded machines in reclaim order (exploring on)."""
-        buckets, out = self.buckets, self.ids
+        buckets, out, held, low = self.buckets, self.ids, self.held, self.starts or {}
         while buckets and len(out) < limit:
             key = min(buckets)
             r, neg_price = key
             segs: list[list[Machine]] = []
             for ci, hi in buckets.pop(key):
                 lst = by_class[ci]
-                lo = 0 if m_reclamation(lst[0]) == r else bisect_left(lst, -r, 0, hi, key=_negated_reclamation)
+                start = low.get(ci, 0)
+                lo = start if m_reclamation(lst[start]) == r else bisect_left(lst, -r, start, hi,
+                                                                              key=_negated_reclamation)
                 segs.append(lst[lo:hi])
-                if lo:  # (a higher reclamation: never this bucket's key)
+                if lo > start:  # (a higher reclamation: never this bucket's key)
                     _add_segment(buckets, (m_reclamation(lst[lo - 1]), neg_price), ci, lo)
             # ids first (one touch per record), held ones out, and only the rest sorted (id desc)
             ids = list(map(_MACHINE_ID, chain.from_iterable(segs) if len(segs) > 1 else segs[0]))
@@ -116,6 +131,38 @@ class ReclaimWalk:
         return out[:limit]
 
 
+def held_prefixes(by_class: Mapping[int, list[Machine]], held: Mapping[str, object], unheld: int
+                  ) -> dict[int, int] | None:
+    """Each class's count of leading held machines (classes with none left out), if every held
+    machine of the classes leads its list; else None.
+
+    Proof, not trust: each boundary is found by binary search (right when the held ones lead), then
+    every machine after a boundary is checked unheld and their number must be `unheld`, the cluster's
+    count of unheld ones, so no unheld machine can sit before a boundary."""
+    if not held:
+        return {}
+    has = held.__contains__
+    starts: dict[int, int] = {}
+    tails: list[list[Machine]] = []
+    found = 0
+    for ci, lst in by_class.items():
+        size = len(lst)
+        if not has(lst[0].id):
+            p = 0
+        elif has(lst[-1].id):
+            p = size
+        else:
+            p = bisect_left(lst, True, 1, size - 1, key=lambda m: m.id not in held)
+        if p:
+            starts[ci] = p
+        if p < size:
+            tails.append(lst[p:] if p else lst)
+            found += size - p
+    if found != unheld or not held.keys().isdisjoint(map(_MACHINE_ID, chain.from_iterable(tails))):
+        return None
+    return starts
+
+
 def _add_segment(buckets: dict[tuple[float, float], list[tuple[int, int]]], key: tuple[float, float], ci: int,
                  hi: int) -> None:
     got = buckets.get(key)
@@ -125,8 +172,8 @@ def _add_segment(buckets: dict[tuple[float, float], list[tuple[int, int]]], key:
         got.append((ci, hi))
 
 
-def _resumed(cy: CycleScratch, cluster: str, walk: ReclaimWalk | None, by_class: dict[int, list[Machine]]
-             ) -> ReclaimWalk:
+def _resumed(cy: CycleScratch, cluster: str, walk: ReclaimWalk | None, by_class: dict[int, list[Machine]],
+             held: Mapping[str, object], unheld: int) -> ReclaimWalk:
     """Last cycle's walk, with the machines that left dropped, when still valid; else a fresh one."""
     ver = cy.ix.cluster_ver.get(cluster, 0)
     if walk is not None and walk.ver != ver:
@@ -137,7 +184,7 @@ def _resumed(cy: CycleScratch, cluster: str, walk: ReclaimWalk | None, by_class:
             gone = set(log.removed)
             walk.ids = list(filterfalse(gone.__contains__, walk.ids))
             walk.ver = ver
-    return walk if walk is not None else ReclaimWalk(cy, by_class, ver)
+    return walk if walk is not None else ReclaimWalk(cy, by_class, held, unheld, ver)
 
 
 def _negated_reclamation(m: Machine) -> float:
