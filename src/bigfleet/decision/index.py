@@ -540,13 +540,7 @@ def _file_many(ix: Index, ms: Iterable[Machine], add: bool) -> list[Machine]:
                 loose += 1
         else:
             rest.append(m)
-    _file_bound(ix, bound, add)
-    log = ix.bound_log
-    for (cluster, st, ci), grp in bound.items():  # (the class-wide Configured lists get the bound ones too)
-        if not add:  # (ids per list, C-level: a per-record log append cost ~0.2 µs)
-            log[cluster].removed.extend(map(_ID, grp))
-        if st is configured:
-            conf.setdefault(ci, []).extend(grp)
+    _file_bound(ix, bound, add, conf)
     n = sum(map(len, bound.values())) + sum(map(len, drain.values())) + loose
     ix.total += n if add else -n
     for ci, grp in conf.items():
@@ -579,18 +573,21 @@ def _flush(pending: dict[int, list[tuple[bool, list[Machine]]]], lists: dict[int
     pending.clear()
 
 
-def _file_bound(ix: Index, groups: dict[tuple[str, MachineState, int], list[Machine]], add: bool) -> None:
+def _file_bound(ix: Index, groups: dict[tuple[str, MachineState, int], list[Machine]], add: bool,
+                conf: dict[int, list[Machine]]) -> None:
     """Apply the grouped bound changes; the cluster's version, log and count move once per cluster
-    (a wave touches ~20 000 (cluster, class) lists of one or two records over a few clusters)."""
+    (a wave touches ~20 000 (cluster, class) lists of one or two records over a few clusters). The
+    Configured groups are also queued in `conf` for the class-wide lists."""
     bound = ix.bound
     last: str | None = None
     by_state: dict[int, dict[int, list[Machine]]] = {}
+    removed: list[str] = []
     n_groups = moved = moved_conf = 0
     for (cluster, st, ci), grp in groups.items():
         if cluster != last:
             if last is not None:
-                _log_cluster(ix, last, n_groups, moved, moved_conf, add)
-            last, n_groups, moved, moved_conf = cluster, 0, 0, 0
+                _log_cluster(ix, last, n_groups, moved, moved_conf, add, removed)
+            last, n_groups, moved, moved_conf, removed = cluster, 0, 0, 0, []
             by_state = bound.get(cluster) or bound.setdefault(cluster, {})
         sti = int(st)
         by_class = by_state.get(sti)
@@ -599,28 +596,46 @@ def _file_bound(ix: Index, groups: dict[tuple[str, MachineState, int], list[Mach
         lst = by_class.get(ci)
         if lst is None:
             lst = by_class[ci] = []
-        if not add and len(grp) == 1:
-            _remove_one(lst, grp[0])
+        k = len(grp)
+        if add:
+            _change_many(lst, grp, keep_key, True, False)
         else:
-            _change_many(lst, grp, keep_key, add, False)
+            removed += map(_ID, grp)  # (ids per list, C-level: a per-record log append cost ~0.2 µs)
+            # a reclaim wave drains a keep-ordered list from its end, in reclaim order: then `grp`
+            # is the list's last k records reversed (checked in C), else the general removal
+            if k <= len(lst) and all(map(is_, reversed(lst[len(lst) - k:]), grp)):
+                del lst[len(lst) - k:]
+            elif k == 1:
+                _remove_one(lst, grp[0])
+            else:
+                _change_many(lst, grp, keep_key, False, False)
         if not lst:
             del by_class[ci]
         n_groups += 1
-        moved += len(grp)
+        moved += k
         if sti == CONFIGURED:
-            moved_conf += len(grp)
+            moved_conf += k
+            got = conf.get(ci)
+            if got is None:
+                conf[ci] = list(grp)
+            else:
+                got += grp
     if last is not None:
-        _log_cluster(ix, last, n_groups, moved, moved_conf, add)
+        _log_cluster(ix, last, n_groups, moved, moved_conf, add, removed)
 
 
-def _log_cluster(ix: Index, cluster: str, n_groups: int, moved: int, moved_conf: int, add: bool) -> None:
+def _log_cluster(ix: Index, cluster: str, n_groups: int, moved: int, moved_conf: int, add: bool,
+                 removed: list[str]) -> None:
     """One cluster's share of `_file_bound`: the version moves by one per list changed (as filing the
-    lists one by one did), the log notes the additions, the Configured count follows."""
+    lists one by one did), the log notes the additions and removals, the Configured count follows."""
     ver = ix.cluster_ver.get(cluster, 0)
-    if cluster not in ix.bound_log:
-        ix.bound_log[cluster] = BoundDelta(ver)
+    log = ix.bound_log.get(cluster)
+    if log is None:
+        log = ix.bound_log[cluster] = BoundDelta(ver)
     if add:
-        ix.bound_log[cluster].added += moved
+        log.added += moved
+    else:
+        log.removed += removed
     ix.cluster_ver[cluster] = ver + n_groups
     if moved_conf:
         cc = ix.configured_count
