@@ -112,8 +112,12 @@ class ClusterCache:
         held: crediting takes, per keep-ordered stream, a prefix of the machines still unheld, so
         one it never reached changes nothing. Only the reclaim drains (counts changed) are stale."""
         log = ix.bound_log.get(cluster)
-        if (not self.plain or log is None or log.added or log.before != self.key[1]
-                or not self.held.ids().keys().isdisjoint(log.removed)):
+        if not self.plain or log is None or log.added or log.before != self.key[1]:
+            return
+        # machines the reclaim walk had explored are unheld (its check is kept for `_resumed`);
+        # else the held map tells
+        walk = self.walk
+        if not (walk is not None and walk.explored_all(log)) and not self.held.ids().keys().isdisjoint(log.removed):
             return
         self.key = (self.key[0], cver, self.key[2])
         self.drains = None

@@ -14,6 +14,7 @@ from bigfleet.machine.record import Machine
 
 from .index import (
     CONFIGURED,
+    BoundDelta,
     m_reclamation,
 )
 from .scratch import CycleScratch
@@ -80,7 +81,7 @@ class ReclaimWalk:
     prefix of its list. When `held_prefixes` proves that for every class, the walk starts each class
     at its first unheld machine and never reads a held one (nor visits a bucket of held ones only)."""
 
-    __slots__ = ("buckets", "held", "ids", "seen", "starts", "ver")
+    __slots__ = ("buckets", "checked", "held", "ids", "seen", "starts", "ver")
 
     def __init__(self, cy: CycleScratch, by_class: dict[int, list[Machine]], held: Mapping[str, object],
                  unheld: int, ver: int) -> None:
@@ -103,6 +104,18 @@ class ReclaimWalk:
         self.ids: list[str] = []
         self.seen: set[str] = set()
         self.ver = ver
+        #: the last sync log `explored_all` found covered (both the cache and the resume ask)
+        self.checked: BoundDelta | None = None
+
+    def explored_all(self, log: BoundDelta) -> bool:
+        """Whether the sync `log` took from the cluster only machines this walk had explored (so
+        unheld ones), starting from the version the walk is at."""
+        if log is self.checked:
+            return True
+        if log.before != self.ver or not self.seen.issuperset(log.removed):
+            return False
+        self.checked = log
+        return True
 
     def first(self, by_class: dict[int, list[Machine]], exclude: set[str], limit: int) -> list[str]:
         """Ids of the first `limit` unheld, unexcluded machines in reclaim order (exploring on)."""
@@ -178,7 +191,7 @@ def _resumed(cy: CycleScratch, cluster: str, walk: ReclaimWalk | None, by_class:
     ver = cy.ix.cluster_ver.get(cluster, 0)
     if walk is not None and walk.ver != ver:
         log = cy.ix.bound_log.get(cluster)
-        if log is None or log.added or log.before != walk.ver or not walk.seen.issuperset(log.removed):
+        if log is None or log.added or not walk.explored_all(log):
             walk = None
         else:
             gone = set(log.removed)
