@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -179,12 +180,15 @@ def test_reclaim_order_with_held_prefixes_equals_the_plain_sort(seed: int) -> No
     cy = CycleScratch(ix, ("cpu",), {})
     cy.held_in("a").ids().update(held)  # type: ignore[arg-type]
     cy.hconf["a"] = len(held)
-    limit = rnd.randint(1, 90)
-    got, total = excess_drains(cy, "a", 30, limit, set())
+    limit = rnd.choice((1, 2, rnd.randint(1, 90)))
+    memo = SimpleNamespace(drains=None, walk=None)  # (a cached cluster's: its walk may be resumed)
+    got, total = excess_drains(cy, "a", 30, limit, set(), memo)  # type: ignore[arg-type]
     left = [m for m in ms if m.id not in held]
     left.sort(key=lambda m: (-m_reclamation(m), m.shape.price_per_hour, m.id), reverse=True)
     assert [d.machine_id for d in got] == [m.id for m in left[:limit]]
     assert total == len(left)
+    tried = len(left) <= 16 * limit  # (the proof's read budget)
+    assert memo.walk.starts == (starts if tried else None)
 
 
 def test_held_prefixes_are_proven_not_guessed() -> None:
@@ -249,7 +253,7 @@ def test_reclaim_walk_starts_over_when_an_unexplored_machine_left() -> None:
     ix = build_index(ms)
     by_class = ix.bound["a"][CONFIGURED]
     cy = CycleScratch(ix, ("cpu",), {})
-    walk = ReclaimWalk(cy, by_class, {}, 12, ix.cluster_ver.get("a", 0))
+    walk = ReclaimWalk(cy, by_class, {}, False, 12, ix.cluster_ver.get("a", 0))
     first = walk.first(by_class, set(), 2)
     assert first == ["m09", "m06"] and walk.ids == ["m09", "m06", "m03", "m00"]  # (the whole rpd-0 bucket)
     by_id = {m.id: m for m in ms}
@@ -257,12 +261,12 @@ def test_reclaim_walk_starts_over_when_an_unexplored_machine_left() -> None:
     apply_changes(ix, [by_id["m09"], by_id["m06"]], [by_id["m09"].replace(state=S.DRAINING),
                                                     by_id["m06"].replace(state=S.DRAINING)])
     cy = CycleScratch(ix, ("cpu",), {})
-    again = _resumed(cy, "a", walk, by_class, {}, 10)
+    again = _resumed(cy, "a", walk, by_class, {}, False, 10)
     assert again is walk and walk.ids == ["m03", "m00"]
     assert walk.first(by_class, set(), 3) == ["m03", "m00", "m10"]
     # a machine the walk never reached leaves: positions moved, so it starts over
     apply_changes(ix, [by_id["m02"]], [by_id["m02"].replace(state=S.DRAINING)])
     cy = CycleScratch(ix, ("cpu",), {})
-    fresh = _resumed(cy, "a", walk, by_class, {}, 9)
+    fresh = _resumed(cy, "a", walk, by_class, {}, False, 9)
     assert fresh is not walk
     assert fresh.first(by_class, set(), 4) == ["m03", "m00", "m10", "m07"]

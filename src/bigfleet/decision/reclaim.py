@@ -49,9 +49,13 @@ def excess_drains(cy: CycleScratch, cluster: str, grace: int, limit: int, exclud
     if total <= 0 or limit <= 0:
         return [], max(0, total)
     if memo is None or exclude:
-        walk = ReclaimWalk(cy, by_class, held, unheld, -1)
+        walk = ReclaimWalk(cy, by_class, held, False, unheld, -1)
     else:
-        walk = _resumed(cy, cluster, memo.walk, by_class, held, unheld)
+        # the proof reads every unheld machine once: worth it only for a walk that may be resumed,
+        # and bounded by what this cycle issues (a cluster recomputed every cycle starts a walk
+        # every cycle)
+        prove = unheld <= _PROOF_READS_PER_DRAIN * limit
+        walk = _resumed(cy, cluster, memo.walk, by_class, held, prove, unheld)
         memo.walk = walk
     ids = walk.first(by_class, exclude, limit)
     proto = {"machine_id": "", "cluster_id": cluster, "grace_period_seconds": grace, "preemptor_priority": 0,
@@ -84,9 +88,10 @@ class ReclaimWalk:
     __slots__ = ("buckets", "checked", "held", "ids", "seen", "starts", "ver")
 
     def __init__(self, cy: CycleScratch, by_class: dict[int, list[Machine]], held: Mapping[str, object],
-                 unheld: int, ver: int) -> None:
+                 prove: bool, unheld: int, ver: int) -> None:
+        """`prove`: try `held_prefixes` (`unheld`: the cluster's unheld Configured count)."""
         classes = cy.ix.classes
-        starts = held_prefixes(by_class, held, unheld)
+        starts = held_prefixes(by_class, held, unheld) if prove else None
         #: class → its first unheld position (absent: 0); None when the prefixes are not proven, so
         #: the walk reads every machine and filters the held ones out
         self.starts = starts
@@ -186,7 +191,7 @@ def _add_segment(buckets: dict[tuple[float, float], list[tuple[int, int]]], key:
 
 
 def _resumed(cy: CycleScratch, cluster: str, walk: ReclaimWalk | None, by_class: dict[int, list[Machine]],
-             held: Mapping[str, object], unheld: int) -> ReclaimWalk:
+             held: Mapping[str, object], prove: bool, unheld: int) -> ReclaimWalk:
     """Last cycle's walk, with the machines that left dropped, when still valid; else a fresh one."""
     ver = cy.ix.cluster_ver.get(cluster, 0)
     if walk is not None and walk.ver != ver:
@@ -197,7 +202,7 @@ def _resumed(cy: CycleScratch, cluster: str, walk: ReclaimWalk | None, by_class:
             gone = set(log.removed)
             walk.ids = list(filterfalse(gone.__contains__, walk.ids))
             walk.ver = ver
-    return walk if walk is not None else ReclaimWalk(cy, by_class, held, unheld, ver)
+    return walk if walk is not None else ReclaimWalk(cy, by_class, held, prove, unheld, ver)
 
 
 def _negated_reclamation(m: Machine) -> float:
@@ -207,6 +212,10 @@ def _negated_reclamation(m: Machine) -> float:
 
 
 _MACHINE_ID = attrgetter("id")
+
+#: a walk tries `held_prefixes` only when the cluster's unheld machines (what the proof reads) are
+#: at most this many per drain the cycle may issue
+_PROOF_READS_PER_DRAIN = 16
 
 
 def reclaim_cap(configured: int, fraction: float) -> int:
