@@ -3,6 +3,7 @@ its C-level sorts order exactly as the `pool_key`/`keep_key` tie-breaks do."""
 
 from __future__ import annotations
 
+import operator
 import random
 
 import pytest
@@ -136,3 +137,25 @@ def test_bound_lists_are_each_clusters_machines_in_keep_order(mixed_stamps: bool
             assert list(by) == sorted(by)
     conf = {c: sum(map(len, sb.get(int(S.CONFIGURED), {}).values())) for c, sb in ix.bound.items()}
     assert ix.configured_count == {c: k for c, k in conf.items() if k}
+
+
+@pytest.mark.parametrize("c_key", [True, False])
+def test_remove_many_takes_any_group_whatever_its_order(c_key: bool) -> None:
+    """A wave's groups are usually a list's last records, in order or reversed (removed by an
+    identity check alone); any other group, a copy of a listed record, or a record not listed, goes
+    the general way (and a missing one raises)."""
+    from bigfleet.decision.index import _ID, _remove_many
+
+    rnd = random.Random(11)
+    for _ in range(300):
+        lst = [machine(f"m{i:03d}", S.CONFIGURED, cluster="a") for i in range(rnd.randint(1, 60))]
+        k = rnd.randint(1, len(lst))
+        shape = rnd.choice(("tail", "reversed", "random"))
+        grp = lst[-k:] if shape == "tail" else lst[-k:][::-1] if shape == "reversed" else rnd.sample(lst, k)
+        want = [m for m in lst if all(m is not g for g in grp)]
+        got = list(lst)
+        _remove_many(got, grp, _ID, c_key)
+        assert got == want and all(map(operator.is_, got, want))
+    lst = [machine(f"m{i}", S.CONFIGURED, cluster="a") for i in range(4)]
+    with pytest.raises(KeyError):
+        _remove_many(list(lst), [lst[3].replace(state=S.CONFIGURED), lst[2]], _ID, c_key)

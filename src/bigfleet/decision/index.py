@@ -597,18 +597,12 @@ def _file_bound(ix: Index, groups: dict[tuple[str, MachineState, int], list[Mach
         if lst is None:
             lst = by_class[ci] = []
         k = len(grp)
-        if add:
-            _change_many(lst, grp, keep_key, True, False)
-        else:
+        if not add:
             removed += map(_ID, grp)  # (ids per list, C-level: a per-record log append cost ~0.2 µs)
-            # a reclaim wave drains a keep-ordered list from its end, in reclaim order: then `grp`
-            # is the list's last k records reversed (checked in C), else the general removal
-            if k <= len(lst) and all(map(is_, reversed(lst[len(lst) - k:]), grp)):
-                del lst[len(lst) - k:]
-            elif k == 1:
-                _remove_one(lst, grp[0])
-            else:
-                _change_many(lst, grp, keep_key, False, False)
+        if not add and k == 1:
+            _remove_one(lst, grp[0])
+        else:
+            _change_many(lst, grp, keep_key, add, False)
         if not lst:
             del by_class[ci]
         n_groups += 1
@@ -676,6 +670,12 @@ def _remove_many(lst: list[Machine], grp: list[Machine], key: Callable[[Machine]
     with the Python key each (~0.5 µs a probe) for a few out of a long list, or one filtering pass
     (~0.13 µs an element)."""
     k, size = len(grp), len(lst)
+    # a reclaim wave drains a keep-ordered list from its end: usually `grp` is the list's last k
+    # records, reversed (reclaim order) or in order (C-level identity checks, no set built)
+    tail = lst[size - k:]
+    if k <= size and (all(map(is_, reversed(tail), grp)) or all(map(is_, tail, grp))):
+        del lst[size - k:]
+        return
     if not c_key and k * (1 + size.bit_length()) * 4 < size:
         for m in grp:
             _remove(lst, m, key)
