@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bigfleet.decision.credit import _keep_runs, _state_runs, bound_lists
+from bigfleet.decision.credit import _cluster_plans, _keep_runs, _state_runs, bound_lists
 from bigfleet.decision.index import CONFIGURED, CONFIGURING, build_index
 from bigfleet.decision.scratch import CycleScratch, NeedRow, RowMaker
 from bigfleet.machine import Inventory, Machine, MachineState
@@ -62,3 +62,45 @@ def test_plan_runs_equal_the_reference_keep_runs(ms: list[Machine], types: tuple
             lists = bound_lists(cy, n, state)
             want = [(a, run, [m.id for m in run]) for a, run in _keep_runs(cy, lists)] if lists else []
             assert got == want
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(bound_fleet(), st.sampled_from(((), ("t0",), ("t1",), ("t0", "t1"))), st.integers(1, 2))
+def test_cluster_plan_runs_equal_the_reference_keep_runs(ms: list[Machine], types: tuple[str, ...], minu: int
+                                                         ) -> None:
+    """The per-cluster plans, built from an inventory's groups (so the index knows the classes'
+    stamps where each has one) and asked twice per cluster (the second time, and for clusters
+    holding the same classes, from the cycle's selection memo), run in the reference order."""
+    inv = Inventory(ms)
+    ix = build_index(inv.machines(), [(s, shape, grp) for s in MachineState for shape, grp in inv.by_state(s).by_shape()])
+    cy = CycleScratch(ix, DIMS, {})
+    for cluster in CLUSTERS * 2:
+        bound = ix.bound.get(cluster)
+        if not bound:
+            continue
+        n = _need(cluster, types, minu)
+        plans = _cluster_plans(cy, [n], bound)
+        assert plans is not None  # (one need: nothing can overlap)
+        got = [(conf, [(r.alloc, r.ms[r.cur:]) for r in runs]) for conf, runs in plans[0]]
+        want = []
+        for state in (CONFIGURED, CONFIGURING):
+            lists = bound_lists(cy, n, state)
+            if lists:
+                want.append((state == CONFIGURED, [(a, run) for a, run in _keep_runs(cy, lists)]))
+        assert got == want
+
+
+def test_a_selection_is_per_state() -> None:
+    """Same classes in both states, one stamp throughout in Configured but two in Configuring: the
+    Configuring run must still follow the stamps (a selection memo shared across states would not)."""
+    ms = [machine(f"a{i}", S.CONFIGURED, cluster="c0", itype="t0", zone=z, rpd=0.0) for i, z in enumerate("ab")]
+    ms += [machine(f"b{i}", S.CONFIGURING, cluster="c0", itype="t0", zone=z, rpd=r)
+           for i, (z, r) in enumerate((("a", 0.0), ("b", 8.0)))]
+    inv = Inventory(ms)
+    ix = build_index(inv.machines(), [(s, shape, grp) for s in MachineState for shape, grp in inv.by_state(s).by_shape()])
+    cy = CycleScratch(ix, DIMS, {})
+    n = _need("c0", ("t0",), 1)
+    plans = _cluster_plans(cy, [n], ix.bound["c0"])
+    assert plans is not None
+    assert [(conf, [[m.id for m in r.ms] for r in runs]) for conf, runs in plans[0]] == [
+        (True, [["a0", "a1"]]), (False, [["b1", "b0"]])]

@@ -159,3 +159,56 @@ def test_remove_many_takes_any_group_whatever_its_order(c_key: bool) -> None:
     lst = [machine(f"m{i}", S.CONFIGURED, cluster="a") for i in range(4)]
     with pytest.raises(KeyError):
         _remove_many(list(lst), [lst[3].replace(state=S.CONFIGURED), lst[2]], _ID, c_key)
+
+
+def _known_stamps_hold(ix: Index) -> int:
+    """Every class stamp the index says it knows is every bound record's of that class and state;
+    returns how many (state, class) stamps are known."""
+    known = 0
+    for sti, stamps in ix.bound_stamp.items():
+        known += len(stamps)
+        for by_state in ix.bound.values():
+            for ci, lst in by_state.get(sti, {}).items():
+                if ci in stamps:
+                    assert [m.assignment.reclamation_penalty_dollars for m in lst] == [stamps[ci]] * len(lst)
+    return known
+
+
+@SETTINGS
+@given(machines(), st.randoms())
+def test_known_class_stamps_hold_through_incremental_changes(ms: list[Machine], rnd: random.Random) -> None:
+    """The cold build knows a class's one stamp from the inventory's distinct assignments (credit
+    then reads no record for it); records added later, batched or one by one, with another stamp
+    must make it forget that stamp."""
+    from bigfleet.decision.index import add_machine, apply_changes
+
+    inv = Inventory(ms)
+    ix = build_index(inv.machines(), _inventory_groups(inv))  # type: ignore[arg-type]
+    _known_stamps_hold(ix)
+    # copies of the fleet's records (same shapes, so same classes) under new ids, some restamped
+    fresh = [m.replace(id=f"n{i:02d}", assigned_reclamation_penalty_dollars=rnd.choice(
+        (m.assignment.reclamation_penalty_dollars, 0.0, 8.0))) for i, m in enumerate(rnd.sample(ms, len(ms)))]
+    k = rnd.randint(0, len(fresh))
+    apply_changes(ix, [], fresh[:k])
+    _known_stamps_hold(ix)
+    for m in fresh[k:]:
+        add_machine(ix, m)
+        _known_stamps_hold(ix)
+
+
+def test_a_class_of_one_stamp_is_known_and_forgotten_when_another_joins() -> None:
+    from bigfleet.decision.index import add_machine, apply_changes
+
+    ms = [machine(f"m{i}", S.CONFIGURED, cluster=f"c{i % 3}", rpd=8.0) for i in range(9)]
+    inv = Inventory(ms)
+    ix = build_index(inv.machines(), _inventory_groups(inv))  # type: ignore[arg-type]
+    ci = ix.class_of_shape[ms[0].shape]
+    assert ix.bound_stamp == {int(S.CONFIGURED): {ci: 8.0}}
+    assert build_index(ms).bound_stamp == {}  # (records alone: not known without reading them)
+    apply_changes(ix, [], [machine("n0", S.CONFIGURED, cluster="c1", rpd=8.0)])
+    assert ix.bound_stamp == {int(S.CONFIGURED): {ci: 8.0}}
+    add_machine(ix, machine("n1", S.CONFIGURED, cluster="c2", rpd=1.0))
+    assert ix.bound_stamp == {int(S.CONFIGURED): {}}
+    ix2 = build_index(inv.machines(), _inventory_groups(inv))  # type: ignore[arg-type]
+    apply_changes(ix2, [], [machine("n2", S.CONFIGURED, cluster="c0", rpd=0.0)])
+    assert ix2.bound_stamp == {int(S.CONFIGURED): {}}

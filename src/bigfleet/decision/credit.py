@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from itertools import accumulate, chain, groupby, repeat
 from math import isnan
 from operator import itemgetter, neg
+from typing import cast
 
 from bigfleet.machine.record import Machine
 
@@ -22,7 +23,7 @@ from .index import (
     m_reclamation,
 )
 from .scratch import CONFIGURED_STATE, MACHINE_ID, RECLAMATION_STAMP, CycleScratch, NeedRow
-from .vec import Vec, covers, vsub
+from .vec import Vec, covers, units_to_cover, vsub
 
 
 def bound_lists(cy: CycleScratch, n: NeedRow, state: int) -> list[tuple[MClass, list[Machine]]]:
@@ -178,6 +179,9 @@ def _class_keep_order(cy: CycleScratch, by_class: dict[int, list[Machine]]) -> l
 
 
 _FIRST = itemgetter(0)
+_NO_STAMPS: dict[int, float] = {}
+#: `units_to_cover`'s limit where the caller clamps to what is left
+_UNBOUNDED = 1 << 62
 _SECOND = itemgetter(1)
 _FOURTH = itemgetter(3)
 _LAST = itemgetter(-1)
@@ -376,6 +380,7 @@ def credit_cluster_bound(cy: CycleScratch, cluster: str, rows: list[NeedRow],
         return
     held = cy.held_in(cluster)
     zero = cy.zero
+    units = cy.units_memo
     conf_total = 0
     for n, plan in zip(rows, plans, strict=True):
         rem = n.remaining
@@ -388,16 +393,12 @@ def credit_cluster_bound(cy: CycleScratch, cluster: str, rows: list[NeedRow],
                 ms = r.ms
                 left = len(ms) - i
                 a = r.alloc
-                k = 0  # units_to_cover, inlined
-                for x, u in zip(rem, a, strict=False):
-                    if x > 0:
-                        if u <= 0:
-                            k = left
-                            break
-                        q = -(-x // u)
-                        if q > k:
-                            k = q
-                if k > left:
+                # (rows of many clusters ask the same (demand, allocatable): one tuple hash, not a loop)
+                k = units.get((rem, a))
+                if k is None:
+                    k = units[(rem, a)] = units_to_cover(rem, a, _UNBOUNDED)
+                covered = k <= left
+                if not covered:
                     k = left
                 if k <= 0:
                     continue
@@ -406,7 +407,7 @@ def credit_cluster_bound(cy: CycleScratch, cluster: str, rows: list[NeedRow],
                 held.add_run(n, got)
                 n.claimed.extend(got)
                 taken += k
-                if k < left:  # fewer than the limit: k covers `rem` (allocatable is never negative)
+                if covered:  # all it takes: k covers `rem` (allocatable is never negative)
                     rem = zero
                     break
                 rem = tuple([x - u * k if x > u * k else 0 for x, u in zip(rem, a, strict=False)])  # vsub
@@ -426,9 +427,19 @@ def _cluster_plans(cy: CycleScratch, rows: list[NeedRow], bound: dict[int, dict[
                    ) -> list[_SlicePlan] | None:
     """Per row its plan (empty when it wants nothing): one per distinct eligible set, one run list per
     distinct set of the cluster's classes; None when two distinct such sets of one state overlap."""
-    #: (state is CONFIGURED, its bound lists, the classes some plan already runs over, (classes, runs))
-    states: list[tuple[bool, dict[int, list[Machine]], set[int], list[tuple[set[int], list[_Slice]]]]] = [
-        (st == CONFIGURED, by_class, set(), []) for st in (CONFIGURED, CONFIGURING) if (by_class := bound.get(st))]
+    #: (state is CONFIGURED, its bound lists, the classes' known stamps, eligible set → its selection
+    #: here, the classes some plan already runs over, (classes, runs))
+    states: list[tuple[bool, dict[int, list[Machine]], dict[int, float], dict[int, _Selection], set[int],
+                       list[tuple[set[int], list[_Slice]]]]] = []
+    for st in (CONFIGURED, CONFIGURING):
+        by_class = bound.get(st)
+        if by_class:
+            # clusters holding the same classes (homogeneous fleets: most) share their selections
+            key = (st, tuple(by_class))
+            sel_memo = cy.selections.get(key)
+            if sel_memo is None:
+                sel_memo = cy.selections[key] = {}
+            states.append((st == CONFIGURED, by_class, cy.ix.bound_stamp.get(st, _NO_STAMPS), sel_memo, set(), []))
     by_tok: dict[int, _SlicePlan] = {}
     fp_eligible = cy.fp_eligible
     out: list[_SlicePlan] = []
@@ -445,13 +456,17 @@ def _cluster_plans(cy: CycleScratch, rows: list[NeedRow], bound: dict[int, dict[
         plan = by_tok.get(id(tok))  # (the set lives in the scratch's eligibility memo: its id is stable)
         if plan is None:
             plan = by_tok[id(tok)] = []
-            for conf, by_class, covered, sels in states:
-                common = tok.intersection(by_class)
+            for conf, by_class, stamps, sel_memo, covered, sels in states:
+                got = sel_memo.get(id(tok))
+                if got is None:
+                    got = sel_memo[id(tok)] = _selection(cy, tok, by_class, stamps)
+                common, one_run = got
                 if not common:
                     continue
                 if covered.isdisjoint(common):
                     covered |= common
-                    runs = _sel_runs(cy, by_class, common, _one_alloc(cy, tok))
+                    runs = _sel_runs(cy, by_class, stamps, common, _one_alloc(cy, tok)) if one_run is None else [
+                        _Slice(cy.alloc[one_run[0]], list(chain.from_iterable(map(by_class.__getitem__, one_run))))]
                     sels.append((common, runs))
                 else:  # the same classes as another set's (one shared run list), or an overlap
                     same = next((r for c, r in sels if c == common), None)
@@ -464,6 +479,24 @@ def _cluster_plans(cy: CycleScratch, rows: list[NeedRow], bound: dict[int, dict[
     return out
 
 
+#: an eligible set's classes among a cluster's (of one state), and those classes in keep order when
+#: their lists concatenated in that order are one run (one allocatable, one known plain stamp)
+_Selection = tuple[set[int], list[int] | None]
+
+
+def _selection(cy: CycleScratch, tok: set[int], by_class: dict[int, list[Machine]], known: dict[int, float]
+               ) -> _Selection:
+    common = tok.intersection(by_class)
+    if not common or not _one_alloc(cy, tok):
+        return common, None
+    sel = sorted(common, key=cy.keep_rank().__getitem__)
+    stamps = list(map(known.get, sel))
+    s0 = stamps[0]
+    if s0 is None or stamps.count(s0) != len(stamps):  # (a known stamp is plain: never NaN)
+        return common, None
+    return common, sel
+
+
 def _one_alloc(cy: CycleScratch, tok: set[int]) -> bool:
     """Whether every class of the eligible set has one allocatable (memoised per set)."""
     got = cy.one_alloc.get(id(tok))
@@ -472,21 +505,25 @@ def _one_alloc(cy: CycleScratch, tok: set[int]) -> bool:
     return got
 
 
-def _sel_runs(cy: CycleScratch, by_class: dict[int, list[Machine]], common: set[int], one_alloc: bool
-              ) -> list[_Slice]:
+def _sel_runs(cy: CycleScratch, by_class: dict[int, list[Machine]], known: dict[int, float], common: set[int],
+              one_alloc: bool) -> list[_Slice]:
     """`_keep_runs` over the lists of `common`: C-level passes when every class has one plain
-    reclamation stamp (then a class is one segment, and classes sort by (price, stamp desc, rank))."""
+    reclamation stamp (then a class is one segment, and classes sort by (price, stamp desc, rank)).
+    `known`: the classes' stamps the index already knows; no record is read for those (a class list
+    holds ~2 records at aggregated-500k, so reading its ends is a pass over the fleet)."""
     sel = sorted(common, key=cy.keep_rank().__getitem__)
     lsts = list(map(by_class.__getitem__, sel))
-    # (attribute reads in a comprehension: cheaper than a dotted attrgetter)
-    stamps = [lst[0].assignment.reclamation_penalty_dollars for lst in lsts]
-    stamps += [lst[-1].assignment.reclamation_penalty_dollars for lst in lsts]
-    s0 = stamps[0]
-    if one_alloc and s0 >= 0 and stamps.count(s0) == len(stamps):  # one plain stamp (common): one run
-        return [_Slice(cy.alloc[sel[0]], list(chain.from_iterable(lsts)))]
-    half = len(lsts)
-    firsts = stamps[:half]
-    if firsts != stamps[half:] or any(map(isnan, firsts)) or min(firsts) < 0:
+    got = list(map(known.get, sel))
+    if None in got:
+        # (attribute reads in a comprehension: cheaper than a dotted attrgetter)
+        firsts = [lst[0].assignment.reclamation_penalty_dollars for lst in lsts]
+        lasts = [lst[-1].assignment.reclamation_penalty_dollars for lst in lsts]
+    else:
+        firsts = lasts = cast(list[float], got)
+    s0 = firsts[0]
+    if one_alloc and s0 >= 0 and firsts.count(s0) == len(firsts) and lasts.count(s0) == len(lasts):
+        return [_Slice(cy.alloc[sel[0]], list(chain.from_iterable(lsts)))]  # one plain stamp (common): one run
+    if firsts != lasts or any(map(isnan, firsts)) or min(firsts) < 0:
         return [_Slice(a, ms) for a, ms in _mixed_stamp_runs(cy, by_class, common)] or [
             _Slice(a, ms) for a, ms in _keep_runs(cy, [(cy.ix.classes[ci], by_class[ci]) for ci in sel])]
     if firsts.count(firsts[0]) != len(firsts):  # (ranks are unique: tuples never compare past them)

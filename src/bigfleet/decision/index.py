@@ -96,6 +96,9 @@ class Index:
     pool: dict[tuple[int, int], list[Machine]] = field(default_factory=dict)
     #: cluster → state → class idx → CONFIGURED/CONFIGURING machines, keep-first (reclamation desc, id)
     bound: dict[str, dict[int, dict[int, list[Machine]]]] = field(default_factory=dict)
+    #: state → class idx → the one plain (≥ 0, not NaN) reclamation stamp every machine of the class's
+    #: bound lists in that state carries; absent: several, or not known without reading the records
+    bound_stamp: dict[int, dict[int, float]] = field(default_factory=dict)
     #: need fingerprint → CREATING machines launched for that need, id order
     creating: dict[str, list[Machine]] = field(default_factory=dict)
     #: need fingerprint → IDLE machines still carrying a Create-time reservation, id order
@@ -241,13 +244,32 @@ def _index_class(ix: Index, c: MClass, by_state: dict[MachineState, Collection[M
             conf = ix.configured_by_class[ci] = list(group)
             if seed is not None:  # (Phase 2 then scans only as far as it takes victims)
                 ix.victims[ci] = VictimOrders(ix.configured_ver.get(ci, 0), conf, seed)
+            _note_stamp(ix, CONFIGURED, ci, pens)
             parts.file(CONFIGURED, ci, group, pens)
         elif st is S.CONFIGURING:
+            _note_stamp(ix, CONFIGURING, ci, pens)
             parts.file(CONFIGURING, ci, group, pens)
         elif st is S.DRAINING:
             ix.draining_by_class[ci] = group
     if free:
         ix.free_count[ci] = free
+
+
+def _note_stamp(ix: Index, sti: int, ci: int, pens: list[float] | None) -> None:
+    """Record the class's one plain stamp in this state, when its distinct stamps say there is one."""
+    if pens:
+        s0 = pens[0]
+        if s0 >= 0 and pens.count(s0) == len(pens):  # (NaN fails both)
+            ix.bound_stamp.setdefault(sti, {})[ci] = s0
+
+
+def _keep_stamp(ix: Index, sti: int, ci: int, added: list[Machine]) -> None:
+    """Forget the class's one stamp in this state when an added record carries another."""
+    known = ix.bound_stamp.get(sti)
+    if known is not None:
+        s0 = known.get(ci)
+        if s0 is not None and list(map(_RECL, added)).count(s0) != len(added):
+            del known[ci]
 
 
 class _BoundParts:
@@ -456,6 +478,8 @@ def _apply(ix: Index, m: Machine, ci: int, add: bool) -> None:
         cluster = m.cluster
         if cluster:
             by_class = ix.bound.setdefault(cluster, {}).setdefault(int(st), {})
+            if add:
+                _keep_stamp(ix, int(st), ci, [m])
             op(by_class.setdefault(ci, []), m, keep_key)
             if not by_class[ci]:
                 del by_class[ci]
@@ -597,7 +621,9 @@ def _file_bound(ix: Index, groups: dict[tuple[str, MachineState, int], list[Mach
         if lst is None:
             lst = by_class[ci] = []
         k = len(grp)
-        if not add:
+        if add:
+            _keep_stamp(ix, sti, ci, grp)
+        else:
             removed += map(_ID, grp)  # (ids per list, C-level: a per-record log append cost ~0.2 µs)
         if not add and k == 1:
             _remove_one(lst, grp[0])

@@ -283,6 +283,10 @@ class CycleScratch:
         self.credit_plans: dict[tuple[str, int], Any] = {}
         #: id(eligible class set) → whether its classes share one allocatable
         self.one_alloc: dict[int, bool] = {}
+        #: (state, a cluster's classes in its bound map's order) → id(eligible set) → what credit selects
+        self.selections: dict[tuple[int, tuple[int, ...]], dict[int, Any]] = {}
+        #: (remaining demand, allocatable) → machines it takes to cover it (`units_to_cover`, no limit)
+        self.units_memo: dict[tuple[Vec, Vec], int] = {}
         #: (cluster, bound state) → its bound classes in keep order (None: some class has several stamps)
         self.keep_orders: dict[tuple[str, int], Any] = {}
         self.merged_keep_order: dict[int, tuple[Any, list[tuple[MClass, Machine]]]] = {}
