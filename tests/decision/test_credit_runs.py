@@ -104,3 +104,34 @@ def test_a_selection_is_per_state() -> None:
     assert plans is not None
     assert [(conf, [[m.id for m in r.ms] for r in runs]) for conf, runs in plans[0]] == [
         (True, [["a0", "a1"]]), (False, [["b1", "b0"]])]
+
+
+def test_clusters_holding_the_same_classes_share_their_selections(monkeypatch: object) -> None:
+    """A count gate, not a clock: 40 clusters over the same two types × three zones, each with a need
+    per type. Each (classes, eligible set) pair is selected once a cycle, not once per cluster; and
+    every need is met from its own machines, as without sharing."""
+    import pytest
+
+    from bigfleet.decision import EngineConfig, EngineState, decide
+    from bigfleet.decision import credit as credit_mod
+
+    assert isinstance(monkeypatch, pytest.MonkeyPatch)
+    calls = []
+    real = credit_mod._selection
+
+    def counting(*args: object) -> object:
+        calls.append(1)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(credit_mod, "_selection", counting)
+    ms, ns = [], []
+    for c in range(40):
+        cluster = f"k{c:02d}"
+        for t in ("t0", "t1"):
+            ms += [machine(f"{cluster}-{t}-{z}", S.CONFIGURED, cluster=cluster, itype=t, zone=z, res=g(1), rpd=2.0)
+                   for z in ("a", "b", "c")]
+            ns.append(Need(cluster, Profile.build([Requirement(TYPE_KEY, Operator.IN, (t,))], priority=10),
+                           g(3), g(1), 1))
+    d = decide(ns, Inventory(ms), 0, EngineState(first_rollup=frozenset(n.cluster_id for n in ns)), EngineConfig())
+    assert len(calls) == 2  # (one layout of classes, two eligible sets)
+    assert all(v.satisfied and v.claimed_count == 3 for v in d.verdicts) and not d.actions
