@@ -434,7 +434,7 @@ def _cluster_plans(cy: CycleScratch, rows: list[NeedRow], bound: dict[int, dict[
     for st in (CONFIGURED, CONFIGURING):
         by_class = bound.get(st)
         if by_class:
-            # clusters holding the same classes (homogeneous fleets: most) share their selections
+            # clusters holding the same classes (common in a homogeneous fleet) share their selections
             key = (st, tuple(by_class))
             sel_memo = cy.selections.get(key)
             if sel_memo is None:
@@ -486,6 +486,8 @@ _Selection = tuple[set[int], list[int] | None]
 
 def _selection(cy: CycleScratch, tok: set[int], by_class: dict[int, list[Machine]], known: dict[int, float]
                ) -> _Selection:
+    """What the eligible set `tok` selects of a cluster's classes (`by_class`, one state), and
+    whether it is one run: it depends on the classes alone, so clusters holding the same share it."""
     common = tok.intersection(by_class)
     if not common or not _one_alloc(cy, tok):
         return common, None

@@ -284,7 +284,7 @@ class CycleScratch:
         #: id(eligible class set) → whether its classes share one allocatable
         self.one_alloc: dict[int, bool] = {}
         #: (state, a cluster's classes in its bound map's order) → id(eligible set) → what credit selects
-        self.selections: dict[tuple[int, tuple[int, ...]], dict[int, Any]] = {}
+        self.selections: dict[tuple[int, tuple[int, ...]], dict[int, tuple[set[int], list[int] | None]]] = {}
         #: (remaining demand, allocatable) → machines it takes to cover it (`units_to_cover`, no limit)
         self.units_memo: dict[tuple[Vec, Vec], int] = {}
         #: (cluster, bound state) → its bound classes in keep order (None: some class has several stamps)
