@@ -19,7 +19,7 @@ from .index import (
 from .records import build_each
 from .scratch import MACHINE_ID, CycleScratch, NeedRow
 from .types import REASON_IDLE, REASON_SPECULATIVE, Action, Configure, Create
-from .vec import units_to_cover, vsub
+from .vec import vsub
 
 
 def ordered_classes(cy: CycleScratch, classes: list[MClass], state: int, penalty: float) -> list[list[MClass]]:
@@ -82,7 +82,7 @@ def _bulk_take(cy: CycleScratch, n: NeedRow, state: int, c: MClass) -> None:
     if not lst:
         return
     a = cy.alloc[c.idx]
-    k = units_to_cover(n.remaining, a, len(lst))
+    k = cy.units(n.remaining, a, len(lst))
     if k <= 0:
         return
     claim = cy.claim

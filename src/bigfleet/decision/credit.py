@@ -22,7 +22,7 @@ from .index import (
     MClass,
     m_reclamation,
 )
-from .scratch import CONFIGURED_STATE, MACHINE_ID, RECLAMATION_STAMP, CycleScratch, NeedRow
+from .scratch import CONFIGURED_STATE, MACHINE_ID, RECLAMATION_STAMP, UNBOUNDED, CycleScratch, NeedRow
 from .vec import Vec, covers, units_to_cover, vsub
 
 
@@ -180,8 +180,6 @@ def _class_keep_order(cy: CycleScratch, by_class: dict[int, list[Machine]]) -> l
 
 _FIRST = itemgetter(0)
 _NO_STAMPS: dict[int, float] = {}
-#: `units_to_cover`'s limit where the caller clamps to what is left
-_UNBOUNDED = 1 << 62
 _SECOND = itemgetter(1)
 _FOURTH = itemgetter(3)
 _LAST = itemgetter(-1)
@@ -396,7 +394,7 @@ def credit_cluster_bound(cy: CycleScratch, cluster: str, rows: list[NeedRow],
                 # (rows of many clusters ask the same (demand, allocatable): one tuple hash, not a loop)
                 k = units.get((rem, a))
                 if k is None:
-                    k = units[(rem, a)] = units_to_cover(rem, a, _UNBOUNDED)
+                    k = units[(rem, a)] = units_to_cover(rem, a, UNBOUNDED)
                 covered = k <= left
                 if not covered:
                     k = left

@@ -20,7 +20,7 @@ from .index import (
     MClass,
 )
 from .scratch import CycleScratch, NeedRow
-from .vec import Vec, covers, units_to_cover, vadd, vsub
+from .vec import Vec, covers, vadd, vsub
 
 
 class DomainBucket:
@@ -163,7 +163,7 @@ def _reserve_free(cy: CycleScratch, rem: Vec, classes: list[MClass]) -> None:
             if avail <= 0:
                 continue
             a = alloc[c.idx]
-            used = units_to_cover(rem, a, avail)
+            used = cy.units(rem, a, avail)
             if used:
                 rem = vsub(rem, tuple([x * used for x in a]))
                 cy.vused[k] = cy.vused.get(k, 0) + used

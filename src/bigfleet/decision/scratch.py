@@ -19,12 +19,15 @@ from .index import (
     MClass,
 )
 from .types import MatchingSupply
-from .vec import Vec, covers
+from .vec import Vec, covers, units_to_cover
 
 if TYPE_CHECKING:
     from .same_domain import DomainFree, FreeRanking
 
 MACHINE_ID = attrgetter("id")
+
+#: a `units_to_cover` limit no pool reaches (the caller clamps to what it has)
+UNBOUNDED = 1 << 62
 
 
 RECLAMATION_STAMP = attrgetter("assignment.reclamation_penalty_dollars")
@@ -322,6 +325,13 @@ class CycleScratch:
             i += 1
         self.cursor[key] = i
         return lst[i] if i < n else None
+
+    def units(self, rem: Vec, unit: Vec, limit: int) -> int:
+        """`units_to_cover`, memoised per (demand, allocatable): rows of many clusters ask the same."""
+        k = self.units_memo.get((rem, unit))
+        if k is None:
+            k = self.units_memo[(rem, unit)] = units_to_cover(rem, unit, UNBOUNDED)
+        return k if k < limit else limit
 
     def available(self, key: tuple[int, int]) -> int:
         lst = self.ix.pool.get(key)
