@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -106,16 +107,13 @@ def test_a_selection_is_per_state() -> None:
         (True, [["a0", "a1"]]), (False, [["b1", "b0"]])]
 
 
-def test_clusters_holding_the_same_classes_share_their_selections(monkeypatch: object) -> None:
+def test_clusters_holding_the_same_classes_share_their_selections(monkeypatch: pytest.MonkeyPatch) -> None:
     """A count gate, not a clock: 40 clusters over the same two types × three zones, each with a need
     per type. Each (classes, eligible set) pair is selected once a cycle, not once per cluster; and
     every need is met from its own machines, as without sharing."""
-    import pytest
-
     from bigfleet.decision import EngineConfig, EngineState, decide
     from bigfleet.decision import credit as credit_mod
 
-    assert isinstance(monkeypatch, pytest.MonkeyPatch)
     calls = []
     real = credit_mod._selection
 

@@ -82,7 +82,7 @@ def _bulk_take(cy: CycleScratch, n: NeedRow, state: int, c: MClass) -> None:
     if not lst:
         return
     a = cy.alloc[c.idx]
-    k = cy.units(n.remaining, a, len(lst))
+    k = min(cy.units(n.remaining, a), len(lst))
     if k <= 0:
         return
     claim = cy.claim

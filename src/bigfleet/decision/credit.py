@@ -22,8 +22,8 @@ from .index import (
     MClass,
     m_reclamation,
 )
-from .scratch import CONFIGURED_STATE, MACHINE_ID, RECLAMATION_STAMP, UNBOUNDED, CycleScratch, NeedRow
-from .vec import Vec, covers, units_to_cover, vsub
+from .scratch import CONFIGURED_STATE, MACHINE_ID, RECLAMATION_STAMP, CycleScratch, NeedRow
+from .vec import Vec, covers, vsub
 
 
 def bound_lists(cy: CycleScratch, n: NeedRow, state: int) -> list[tuple[MClass, list[Machine]]]:
@@ -378,7 +378,7 @@ def credit_cluster_bound(cy: CycleScratch, cluster: str, rows: list[NeedRow],
         return
     held = cy.held_in(cluster)
     zero = cy.zero
-    units = cy.units_memo
+    units = cy.units
     conf_total = 0
     for n, plan in zip(rows, plans, strict=True):
         rem = n.remaining
@@ -391,10 +391,7 @@ def credit_cluster_bound(cy: CycleScratch, cluster: str, rows: list[NeedRow],
                 ms = r.ms
                 left = len(ms) - i
                 a = r.alloc
-                # (rows of many clusters ask the same (demand, allocatable): one tuple hash, not a loop)
-                k = units.get((rem, a))
-                if k is None:
-                    k = units[(rem, a)] = units_to_cover(rem, a, UNBOUNDED)
+                k = units(rem, a)
                 covered = k <= left
                 if not covered:
                     k = left

@@ -163,7 +163,7 @@ def _reserve_free(cy: CycleScratch, rem: Vec, classes: list[MClass]) -> None:
             if avail <= 0:
                 continue
             a = alloc[c.idx]
-            used = cy.units(rem, a, avail)
+            used = min(cy.units(rem, a), avail)
             if used:
                 rem = vsub(rem, tuple([x * used for x in a]))
                 cy.vused[k] = cy.vused.get(k, 0) + used

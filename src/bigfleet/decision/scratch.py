@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 MACHINE_ID = attrgetter("id")
 
-#: a `units_to_cover` limit no pool reaches (the caller clamps to what it has)
+#: what `CycleScratch.units` answers when no number of machines covers the demand
 UNBOUNDED = 1 << 62
 
 
@@ -326,12 +326,13 @@ class CycleScratch:
         self.cursor[key] = i
         return lst[i] if i < n else None
 
-    def units(self, rem: Vec, unit: Vec, limit: int) -> int:
-        """`units_to_cover`, memoised per (demand, allocatable): rows of many clusters ask the same."""
+    def units(self, rem: Vec, unit: Vec) -> int:
+        """Machines of allocatable `unit` it takes to cover `rem` (`UNBOUNDED` when none can), memoised
+        per pair: rows of many clusters ask the same. Callers clamp to what they have."""
         k = self.units_memo.get((rem, unit))
         if k is None:
             k = self.units_memo[(rem, unit)] = units_to_cover(rem, unit, UNBOUNDED)
-        return k if k < limit else limit
+        return k
 
     def available(self, key: tuple[int, int]) -> int:
         lst = self.ix.pool.get(key)
